@@ -1,0 +1,26 @@
+# The two commands a newcomer needs:  `make demo`  and  `make test`.
+# Both create .venv on first use (torch pinned to the CPU build this project is tested with).
+PYTHON ?= python3
+VENV   := .venv
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: demo test bench lint
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q "torch==2.13.0" -e ".[train,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/streamrl demo
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/streamrl bench pipeline --tasks 4000 --group-size 4 --json
+	$(VENV)/bin/streamrl bench pipeline --tasks 4000 --group-size 4 --turns 3 --json
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
