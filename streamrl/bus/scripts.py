@@ -1,0 +1,264 @@
+"""Lua scripts: every state change that must be atomic with an XACK happens in one of these.
+
+The fence. An entry of a stream belongs to the consumer that the consumer group's pending list
+(PEL) says holds it, and each (re)delivery bumps the PEL's delivery counter. A worker remembers
+the counter it was handed (its *fence*) and every write checks both the owner and the counter,
+so a worker that lost its entry to ``XAUTOCLAIM`` (or an older coroutine of the same worker)
+can never write a session, a trajectory or a score for it. Because result and ack are written
+together, a redelivered entry cannot produce a second result either.
+
+Every script takes many items, so a worker pays one round trip per batch, not per episode.
+"""
+
+from __future__ import annotations
+
+_OWNS = """
+local function owns(stream, group, id, consumer, fence)
+  local p = redis.call('XPENDING', stream, group, id, id, 1)
+  if #p == 0 then return false end
+  return p[1][2] == consumer and tonumber(p[1][4]) == tonumber(fence)
+end
+"""
+
+# KEYS[1]=stream. ARGV: group, consumer, min_idle_ms, count, cursor, mode ('stale'|'own'),
+# session_prefix ('' for none). Returns {next_cursor, {{id, task_id, payload, deliveries,
+# session|false}, ...}, {deleted ids}}.
+CLAIM = """
+local stream = KEYS[1]
+local group, consumer = ARGV[1], ARGV[2]
+local min_idle, count, cursor, mode, sprefix =
+  tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], ARGV[6], ARGV[7]
+local entries, nextc, deleted = {}, '0-0', {}
+if mode == 'own' then
+  local pend = redis.call('XPENDING', stream, group, '-', '+', count, consumer)
+  local ids = {}
+  for _, p in ipairs(pend) do ids[#ids + 1] = p[1] end
+  if #ids > 0 then entries = redis.call('XCLAIM', stream, group, consumer, 0, unpack(ids)) end
+else
+  local r = redis.call('XAUTOCLAIM', stream, group, consumer, min_idle, cursor, 'COUNT', count)
+  nextc, entries, deleted = r[1], r[2], r[3] or {}
+end
+local out = {}
+for _, e in ipairs(entries) do
+  local id, f = e[1], e[2]
+  if f then
+    local tid, payload = '', ''
+    for j = 1, #f, 2 do
+      if f[j] == 'id' then tid = f[j + 1] elseif f[j] == 'p' then payload = f[j + 1] end
+    end
+    local p = redis.call('XPENDING', stream, group, id, id, 1)
+    local n = 0
+    if #p > 0 then n = p[1][4] end
+    local sess = false
+    if sprefix ~= '' then sess = redis.call('GET', sprefix .. tid) end
+    out[#out + 1] = {id, tid, payload, n, sess}
+  end
+end
+return {nextc, out, deleted}
+"""
+
+# KEYS[1]=stream. ARGV: group, consumer, then pairs (id, fence). Re-touches owned entries so
+# they do not look idle; returns the ids this consumer no longer owns.
+HEARTBEAT = (
+    _OWNS
+    + """
+local stream, group, consumer = KEYS[1], ARGV[1], ARGV[2]
+local lost = {}
+for i = 3, #ARGV, 2 do
+  if owns(stream, group, ARGV[i], consumer, ARGV[i + 1]) then
+    redis.call('XCLAIM', stream, group, consumer, 0, ARGV[i], 'JUSTID')
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+return lost
+"""
+)
+
+# KEYS[1]=tasks, KEYS[2..]=session keys. ARGV: group, consumer, ttl, then (id, fence, blob).
+COMMIT = (
+    _OWNS
+    + """
+local stream, group, consumer, ttl = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
+local out = {}
+for i = 1, #KEYS - 1 do
+  local a = 4 + (i - 1) * 3
+  if owns(stream, group, ARGV[a], consumer, ARGV[a + 1]) then
+    redis.call('SET', KEYS[i + 1], ARGV[a + 2], 'EX', ttl)
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+return out
+"""
+)
+
+# KEYS: tasks, rollouts, stats, then session keys. ARGV: group, consumer, then
+# (id, fence, task_id, trajectory blob). Writes the trajectory and acks the task in one step.
+FINISH = (
+    _OWNS
+    + """
+local tasks, rollouts, stats = KEYS[1], KEYS[2], KEYS[3]
+local group, consumer = ARGV[1], ARGV[2]
+local out, n = {}, 0
+for i = 1, #KEYS - 3 do
+  local a = 3 + (i - 1) * 4
+  local id = ARGV[a]
+  if owns(tasks, group, id, consumer, ARGV[a + 1]) then
+    redis.call('XADD', rollouts, '*', 'id', ARGV[a + 2], 'p', ARGV[a + 3])
+    redis.call('XACK', tasks, group, id)
+    redis.call('DEL', KEYS[i + 3])
+    out[i] = 1
+    n = n + 1
+  else
+    out[i] = 0
+  end
+end
+if n > 0 then redis.call('HINCRBY', stats, 'trajectories', n) end
+return out
+"""
+)
+
+# KEYS: rollouts, scored, groups, stats, then group keys. ARGV: group, consumer, schema
+# version, done ttl, then (id, fence, task_id, prompt_id, k, group_size, reward, score blob,
+# sample blob). Returns per item 1 (added), 2 (duplicate or group already closed; acked), 0 (not
+# owned). When the last sample of a group arrives, the Group is written to `groups` once:
+# a msgpack array [v, prompt_id, group_size, mean, std, [samples...]] built from the samples'
+# own bytes.
+SCORE = (
+    _OWNS
+    + """
+local rollouts, scored, groups, stats = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local group, consumer, version, done_ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local function arrhdr(n)
+  if n < 16 then return string.char(0x90 + n) end
+  return string.char(0xdc, math.floor(n / 256), n % 256)
+end
+local out, added, dup, done = {}, 0, 0, 0
+for i = 1, #KEYS - 4 do
+  local a = 5 + (i - 1) * 9
+  local id, fence, tid, pid = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
+  local k, size, reward = ARGV[a + 4], tonumber(ARGV[a + 5]), ARGV[a + 6]
+  local gk = KEYS[4 + i]
+  if not owns(rollouts, group, id, consumer, fence) then
+    out[i] = 0
+  else
+    redis.call('XACK', rollouts, group, id)
+    if redis.call('HGET', gk, 'state') then
+      out[i] = 2; dup = dup + 1
+    elseif redis.call('HSETNX', gk, 's' .. k, ARGV[a + 8]) == 0 then
+      out[i] = 2; dup = dup + 1
+    else
+      redis.call('XADD', scored, '*', 'id', tid, 'p', ARGV[a + 7])
+      redis.call('HSET', gk, 'r' .. k, reward)
+      out[i] = 1; added = added + 1
+      if redis.call('HINCRBY', gk, 'n', 1) == size then
+        local sf, rf = {}, {}
+        for j = 0, size - 1 do sf[#sf + 1] = 's' .. j; rf[#rf + 1] = 'r' .. j end
+        local samples = redis.call('HMGET', gk, unpack(sf))
+        local rewards = redis.call('HMGET', gk, unpack(rf))
+        local sum, sq = 0, 0
+        for j = 1, size do sum = sum + tonumber(rewards[j]) end
+        local mean = sum / size
+        for j = 1, size do sq = sq + (tonumber(rewards[j]) - mean) ^ 2 end
+        local std = math.sqrt(sq / size)
+        local head = string.char(0x96) .. cmsgpack.pack(version, pid, size, mean + 0.0, std + 0.0)
+        local body = head .. arrhdr(size) .. table.concat(samples)
+        redis.call('XADD', groups, '*', 'id', pid, 'p', body)
+        redis.call('DEL', gk)
+        redis.call('HSET', gk, 'state', 'done')
+        redis.call('EXPIRE', gk, done_ttl)
+        done = done + 1
+      end
+    end
+  end
+end
+if added > 0 then redis.call('HINCRBY', stats, 'scored', added) end
+if dup > 0 then redis.call('HINCRBY', stats, 'duplicates_ignored', dup) end
+if done > 0 then redis.call('HINCRBY', stats, 'groups_completed', done) end
+return out
+"""
+)
+
+# KEYS: stream, dead, scored, stats, then per item two keys (session key or '' placeholder
+# key, group key). ARGV: group, consumer, done ttl, then (id, fence, task_id, dead-letter blob,
+# failure-score blob or ''). Moves owned entries to the dead-letter stream, acks them, drops
+# their session, and closes their group as dropped: a group with a failed sample is never
+# trained on. Returns per item 1 (dead-lettered) or 0 (not owned).
+DEADLETTER = (
+    _OWNS
+    + """
+local stream, dead, scored, stats = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local group, consumer, done_ttl = ARGV[1], ARGV[2], ARGV[3]
+local out, n, dropped = {}, 0, 0
+for i = 1, (#KEYS - 4) / 2 do
+  local a = 4 + (i - 1) * 5
+  local id, fence, tid = ARGV[a], ARGV[a + 1], ARGV[a + 2]
+  local sk, gk = KEYS[4 + (i - 1) * 2 + 1], KEYS[4 + (i - 1) * 2 + 2]
+  if owns(stream, group, id, consumer, fence) then
+    redis.call('XADD', dead, '*', 'id', tid, 'p', ARGV[a + 3])
+    if ARGV[a + 4] ~= '' then redis.call('XADD', scored, '*', 'id', tid, 'p', ARGV[a + 4]) end
+    redis.call('XACK', stream, group, id)
+    redis.call('DEL', sk)
+    if not redis.call('HGET', gk, 'state') then
+      redis.call('DEL', gk)
+      redis.call('HSET', gk, 'state', 'dropped')
+      redis.call('EXPIRE', gk, done_ttl)
+      dropped = dropped + 1
+    end
+    out[i] = 1; n = n + 1
+  else
+    out[i] = 0
+  end
+end
+if n > 0 then redis.call('HINCRBY', stats, 'dead_letters', n) end
+if dropped > 0 then redis.call('HINCRBY', stats, 'groups_dropped', dropped) end
+return out
+"""
+)
+
+# KEYS: tasks, position key. ARGV: expected position, new position, then (task_id, blob).
+# Compare-and-set on the producer's position makes a re-sent batch (client retry, restarted
+# producer) a no-op instead of a duplicate. Returns the number added, or -1 on a stale position.
+PRODUCE = """
+local cur = redis.call('GET', KEYS[2]) or '0'
+if cur ~= ARGV[1] then return -1 end
+local n = 0
+for i = 3, #ARGV, 2 do
+  redis.call('XADD', KEYS[1], '*', 'id', ARGV[i], 'p', ARGV[i + 1])
+  n = n + 1
+end
+redis.call('SET', KEYS[2], ARGV[2])
+return n
+"""
+
+# KEYS[1]=stream. ARGV: retention_ms, now_ms. Trims entries older than both the retention
+# window and everything any consumer group still needs (undelivered or pending). A stream
+# without consumer groups is trimmed by the retention window alone. Returns entries removed.
+TRIM = """
+local stream = KEYS[1]
+if redis.call('EXISTS', stream) == 0 then return 0 end
+local function parse(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+local function less(a, b)
+  local am, as = parse(a); local bm, bs = parse(b)
+  return am < bm or (am == bm and as < bs)
+end
+local floor = string.format('%d-0', tonumber(ARGV[2]) - tonumber(ARGV[1]))
+local groups = redis.call('XINFO', 'GROUPS', stream)
+for _, g in ipairs(groups) do
+  local name, last
+  for j = 1, #g, 2 do
+    if g[j] == 'name' then name = g[j + 1] end
+    if g[j] == 'last-delivered-id' then last = g[j + 1] end
+  end
+  -- entries after last-delivered-id are undelivered: keep them (and the last one itself)
+  if less(last, floor) then floor = last end
+  local pend = redis.call('XPENDING', stream, name)
+  if pend[1] > 0 and less(pend[2], floor) then floor = pend[2] end
+end
+return redis.call('XTRIM', stream, 'MINID', floor)
+"""

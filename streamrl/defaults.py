@@ -1,0 +1,71 @@
+"""Every name, timeout and limit the pipeline uses, in one place (like rq's defaults.py)."""
+
+from __future__ import annotations
+
+SCHEMA_VERSION = 1
+KEY_PREFIX = "srl"
+DEFAULT_RUN = "default"
+
+# rq queues that the lease jobs of each worker role live on.
+ROLLOUT_QUEUE = "srl-rollout"
+VERIFY_QUEUE = "srl-verify"
+
+# Consumer-group names, one per stage that reads a stream.
+ROLLOUT_GROUP = "rollout"
+VERIFY_GROUP = "verify"
+LEARNER_GROUP = "learner"
+
+# Lease jobs: how long one rq job consumes its stream before handing back to rq, and how long
+# it may take to finish the episodes it already started.
+LEASE_SECONDS = 30.0
+LEASE_DRAIN_SECONDS = 30.0
+LEASE_JOB_TIMEOUT_GRACE = 120
+
+# Blocking reads. redis-py 8 sets a 5 s socket timeout by default, so a BLOCK longer than the
+# socket timeout would be cut by the client; keep blocks short and the socket timeout well above.
+READ_BLOCK_MS = 1000
+SOCKET_TIMEOUT_S = 30.0
+
+# Reclaiming entries from dead consumers. A live consumer re-touches what it holds every
+# HEARTBEAT_S; anything idle for CLAIM_IDLE_MS is taken over by whoever looks first.
+CLAIM_IDLE_MS = 30_000
+HEARTBEAT_S = 5.0
+MAX_DELIVERIES = 5
+
+# Episodes.
+MAX_TURNS = 8
+MAX_EPISODE_TOKENS = 4096
+MAX_CONCURRENT_EPISODES = 256
+READ_BATCH = 256
+SESSION_TTL_S = 7 * 24 * 3600
+
+# Message-played environments (sudoku, nim, kayles) read moves only from a message this long
+# or shorter: a move is one short line, and a longer message is how a spray of every candidate
+# move would be smuggled in. Code answers longer than MAX_CODE_ANSWER_CHARS are not run.
+MAX_MOVE_MESSAGE_CHARS = 2000
+MAX_CODE_ANSWER_CHARS = 20_000
+
+# Verification.
+VERIFY_TIMEOUT_S = 10.0
+VERIFY_RETRIES = 2
+VERIFY_BATCH = 256
+
+# Retention: entries younger than this are never trimmed even when every group has read them.
+RETENTION_MS = 15 * 60 * 1000
+GROUP_DONE_TTL_S = 24 * 3600
+
+# The embedded redis-server.
+RUN_DIR = ".streamrl"
+REDIS_START_TIMEOUT_S = 10.0
+
+# The code sandbox (verifiers/sandbox.py). Limits are per run; the uid range is where each run
+# gets its own unprivileged uid when streamrl runs as root (so RLIMIT_NPROC counts only that
+# run's processes, and every process it left behind can be found and killed).
+SANDBOX_TIMEOUT_S = 10.0
+SANDBOX_MEMORY_MB = 512
+SANDBOX_MAX_PROCS = 16
+SANDBOX_MAX_FILE_MB = 16
+SANDBOX_MAX_OUTPUT_BYTES = 64 * 1024
+SANDBOX_UID_BASE = 0x30000
+SANDBOX_UID_COUNT = 0x10000
+SANDBOX_PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")

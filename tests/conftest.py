@@ -1,0 +1,56 @@
+"""Shared fixtures: a private redis-server per test session on a free port (never 6379)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from streamrl.embedded import EmbeddedRedis
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as server:
+        assert server.port != 6379
+        yield server
+
+
+_runs = itertools.count()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    """A clean database view: each test gets the server flushed."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url
+
+
+@pytest.fixture
+def r(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def run_name():
+    return f"t{next(_runs)}"
+
+
+@pytest.fixture
+def subprocess_env():
+    """Environment for real worker processes: this checkout first on the path."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["PYTHONUNBUFFERED"] = "1"
+    env["STREAMRL_PYTHON"] = sys.executable
+    return env

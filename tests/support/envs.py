@@ -1,0 +1,54 @@
+"""Environments with deliberate faults, loaded by real worker processes as
+``tests.support.envs:<Class>`` (the repository root is on their PYTHONPATH)."""
+
+from __future__ import annotations
+
+import time
+
+from streamrl.envs.base import Verdict
+from streamrl.envs.counter import CounterEnv, CounterState
+from streamrl.schema import Task, Trajectory
+
+
+class SlowVerifyCounter(CounterEnv):
+    """Verification takes ``verify_sleep_s``: long enough to kill a verifier mid-batch."""
+
+    name = "slow-verify-counter"
+
+    def verify(self, task: Task, trajectory: Trajectory, state: CounterState) -> Verdict:
+        time.sleep(float(self.options.get("verify_sleep_s", 0.05)))
+        return super().verify(task, trajectory, state)
+
+
+class HangingVerifyCounter(CounterEnv):
+    """The verifier hangs on every task whose start value is a multiple of 5."""
+
+    name = "hanging-verify-counter"
+
+    def verify(self, task: Task, trajectory: Trajectory, state: CounterState) -> Verdict:
+        if int(task.data["start"]) % 5 == 0:
+            time.sleep(3600)
+        return super().verify(task, trajectory, state)
+
+
+class RaisingVerifyCounter(CounterEnv):
+    """The verifier raises on every task whose start value is odd."""
+
+    name = "raising-verify-counter"
+
+    def verify(self, task: Task, trajectory: Trajectory, state: CounterState) -> Verdict:
+        if int(task.data["start"]) % 2 == 1:
+            raise ZeroDivisionError("verifier bug")
+        return super().verify(task, trajectory, state)
+
+
+class StrictCounter(CounterEnv):
+    """A later verifier version that halves every reward."""
+
+    name = "counter"
+    verifier_name = "counter-strict"
+    verifier_version = "2"
+
+    def verify(self, task: Task, trajectory: Trajectory, state: CounterState) -> Verdict:
+        v = super().verify(task, trajectory, state)
+        return Verdict(reward=v.reward * 0.5, components=v.components, details=v.details)
