@@ -1,0 +1,111 @@
+"""Starting and stopping real rq worker processes for ``streamrl demo`` and ``bench``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+
+def rq_worker_cmd(url: str, queue: str, name: str | None = None, quiet: bool = True) -> list[str]:
+    cmd = [sys.executable, "-m", "rq.cli", "worker", "-u", url, "-S", "json", queue]
+    if name:
+        cmd += ["--name", name]
+    if quiet:
+        cmd.append("-q")
+    return cmd
+
+
+def proc_table() -> tuple[dict[int, list[int]], dict[int, list[str]]]:
+    """Every process in /proc: children by parent pid, and each pid's ``stat`` fields after
+    the command name (so field 1 is the parent pid, 11..14 the CPU times)."""
+    children: dict[int, list[int]] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2 :].split()
+        pid = int(entry.name)
+        stats[pid] = fields
+        children.setdefault(int(fields[1]), []).append(pid)
+    return children, stats
+
+
+def tree(roots: list[int], children: dict[int, list[int]]) -> list[int]:
+    """``roots`` and all their descendants, each once."""
+    out, stack, seen = [], list(roots), set()
+    while stack:
+        pid = stack.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        out.append(pid)
+        stack += children.get(pid, [])
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living descendant of ``pid``."""
+    children, _ = proc_table()
+    return tree([pid], children)[1:]
+
+
+class WorkerProcs:
+    """rq workers, each in its own process group so that a kill takes its work horse too."""
+
+    def __init__(self, url: str, log_dir: str | Path | None = None, env: dict | None = None):
+        self.url = url
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.env = env
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, queue: str, n: int, prefix: str = "") -> list[subprocess.Popen]:
+        started = []
+        for _ in range(n):
+            name = f"{prefix or queue}-{len(self.procs)}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+            out = subprocess.DEVNULL
+            if self.log_dir is not None:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - lives with proc
+            p = subprocess.Popen(
+                rq_worker_cmd(self.url, queue, name),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=self.env,
+            )
+            self.procs.append((name, p))
+            started.append(p)
+        return started
+
+    def kill(self, proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+        """Signal the worker and every descendant: rq starts its work horse in a session of
+        its own, so the worker's process group alone would miss it."""
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Warm shutdown (rq lets the lease finish), then SIGKILL whatever is left."""
+        for _, p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for _, p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for _, p in self.procs:
+            if p.poll() is None:
+                self.kill(p, signal.SIGKILL)
+                p.wait()
+        self.procs.clear()

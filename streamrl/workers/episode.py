@@ -1,0 +1,137 @@
+"""The agent loop of one episode, shared by the rollout workers and local evaluation.
+
+    send the conversation to the policy
+    -> function calls: run each against the environment, append function_call_output items
+    -> plain answer: the environment may reply (games, simulated users) or end the episode
+    stop on a final answer, ``max_turns`` or the token budget.
+
+After every turn that does not end the episode, ``commit`` checkpoints the session; the final
+turn is written together with the trajectory by the caller. A resumed session continues from
+its last committed turn.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+from streamrl.config import RolloutConfig
+from streamrl.envs.base import Environment
+from streamrl.policy.base import Policy, PolicyError, PolicyRequest
+from streamrl.schema import (
+    FunctionCall,
+    FunctionCallOutput,
+    Message,
+    Session,
+    Task,
+    Trajectory,
+    TrajectoryStatus,
+)
+
+Commit = Callable[[Session], Awaitable[bool]]
+
+
+class LostClaim(Exception):
+    """Another worker took this episode over; stop without writing anything."""
+
+
+def new_session(env: Environment, task: Task) -> Session:
+    state = env.reset(task)
+    return Session(
+        task_id=task.task_id,
+        items=list(task.input),
+        state=env.encode_state(state),
+        started_at=time.time(),
+    )
+
+
+def _final_text(items: list) -> str | None:
+    for item in reversed(items):
+        if isinstance(item, Message) and item.role == "assistant":
+            return item.content
+    return None
+
+
+async def run_episode(
+    env: Environment,
+    policy: Policy,
+    task: Task,
+    session: Session,
+    commit: Commit | None,
+    config: RolloutConfig,
+    worker: str = "",
+) -> Trajectory:
+    state = env.decode_state(session.state)
+    status: TrajectoryStatus = "completed"
+    while True:
+        turn = len(session.turns)
+        if turn >= config.max_turns or session.tokens >= config.max_tokens:
+            status = "truncated"
+            break
+        t0 = time.perf_counter()
+        request = PolicyRequest(
+            task=task, items=session.items, tools=env.tools, state=state, turn=turn
+        )
+        try:
+            model_turn = await policy.respond(request)
+        except PolicyError:
+            raise
+        except Exception as e:  # whatever broke in the backend, it is not the model's answer
+            raise PolicyError(f"{type(e).__name__}: {e}") from e
+        model_turn.worker = worker
+        model_turn.seconds = time.perf_counter() - t0
+        session.turns.append(model_turn)
+        session.items.extend(model_turn.items)
+        session.tokens += len(model_turn.token_ids)
+
+        calls = [i for i in model_turn.items if isinstance(i, FunctionCall)]
+        done = False
+        if calls:
+            t1 = time.perf_counter()
+            for call in calls:
+                result = env.call_tool(state, call)
+                state = result.state
+                session.items.append(FunctionCallOutput(call_id=call.call_id, output=result.output))
+            session.tool_seconds += time.perf_counter() - t1
+        else:
+            text = _final_text(model_turn.items) or ""
+            reply = env.reply(state, text)
+            state = reply.state
+            if reply.message is not None:
+                session.items.append(Message(role="user", content=reply.message))
+            done = reply.done or reply.message is None
+        session.state = env.encode_state(state)
+        if done:
+            break
+        if commit is not None and not await commit(session):
+            raise LostClaim(task.task_id)
+    return finish(task, session, status, worker=worker)
+
+
+def finish(
+    task: Task,
+    session: Session,
+    status: TrajectoryStatus,
+    worker: str = "",
+    failure: str | None = None,
+) -> Trajectory:
+    return Trajectory(
+        task_id=task.task_id,
+        prompt_id=task.prompt_id,
+        k=task.k,
+        group_size=task.group_size,
+        env=task.env,
+        items=session.items,
+        n_input=len(task.input),
+        turns=session.turns,
+        status=status,
+        failure=failure,
+        state=session.state,
+        data=task.data,
+        started_at=session.started_at,
+        finished_at=time.time(),
+        tool_seconds=session.tool_seconds,
+        worker=worker,
+        attempt=session.claims,
+        resumed_from_turn=session.resumed_from_turn,
+    )

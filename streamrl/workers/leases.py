@@ -1,0 +1,103 @@
+"""rq glue. rq is the process and control layer: it starts, counts and restarts workers; the
+data travels on streams. A *lease job* is the only thing on an rq queue: one job consumes a
+stream for a bounded time. Every lease tops the queue up so that one job always waits there,
+which is what lets ``rq worker`` processes be added or removed at any time.
+
+Jobs are enqueued with rq's JSON serializer (workers run with ``-S json``), so nothing rq reads
+from Redis is unpickled either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import redis
+from rq import Queue
+from rq.job import Job
+from rq.serializers import JSONSerializer
+from rq.worker import Worker
+
+from streamrl.defaults import LEASE_DRAIN_SECONDS, LEASE_JOB_TIMEOUT_GRACE, LEASE_SECONDS
+
+ROLES = {
+    "srl-rollout": "streamrl.workers.rollout.lease",
+    "srl-verify": "streamrl.workers.verify.lease",
+}
+
+
+def queue(r: redis.Redis, name: str) -> Queue:
+    return Queue(name, connection=r, serializer=JSONSerializer)
+
+
+def enqueue(r: redis.Redis, name: str, run: str, seconds: float | None = None) -> None:
+    lease_s = seconds if seconds is not None else LEASE_SECONDS
+    queue(r, name).enqueue(
+        ROLES[name],
+        run,
+        seconds,
+        job_timeout=int(lease_s + LEASE_DRAIN_SECONDS + LEASE_JOB_TIMEOUT_GRACE),
+        result_ttl=300,
+        failure_ttl=24 * 3600,
+        description=f"{name} lease for run {run!r}",
+    )
+
+
+def top_up(
+    r: redis.Redis,
+    name: str,
+    run: str,
+    waiting: int = 1,
+    seconds: float | None = None,
+    at_most_every_s: float = 0.0,
+) -> None:
+    """Keep ``waiting`` lease jobs queued. Two leases racing here may both enqueue; a spare
+    lease only means a worker picks it up a little early, so no lock is taken.
+    ``at_most_every_s`` rate-limits a lease that tops up as it starts, so a lease that keeps
+    crashing right after its start cannot spin its workers."""
+    if at_most_every_s > 0:
+        gate = f"srl:{{{run}}}:topup:{name}"
+        if not r.set(gate, 1, nx=True, px=int(at_most_every_s * 1000)):
+            return
+    q = queue(r, name)
+    queued = sum(1 for job in q.get_jobs() if job.args and job.args[0] == run)
+    for _ in range(max(0, waiting - queued)):
+        enqueue(r, name, run, seconds)
+
+
+def workers(r: redis.Redis, name: str) -> list[Worker]:
+    return Worker.all(queue=queue(r, name))
+
+
+def failures(r: redis.Redis, name: str) -> dict:
+    """How many lease jobs failed, and the last line of the newest failure: a lease that
+    crashes at start (a bad config, a backend that cannot load) shows up here."""
+    registry = queue(r, name).failed_job_registry
+    ids = registry.get_job_ids()
+    last = ""
+    if ids:
+        job = Job.fetch(ids[-1], connection=r, serializer=JSONSerializer)
+        result = job.latest_result()
+        lines = ((result.exc_string if result else "") or "").strip().splitlines()
+        last = lines[-1] if lines else ""
+    return {"failed_leases": len(ids), "last_failure": last}
+
+
+def run_lease(run: str, name: str, stage: str, body: Callable[[redis.Redis], dict]) -> dict:
+    """What every lease job does around its work: stop at once when the run is halted, log
+    with the run and worker bound, and queue a successor when done (not when halted)."""
+    import structlog
+
+    from streamrl.bus.keys import Keys
+    from streamrl.log import configure
+    from streamrl.workers.context import consumer_name, current_connection
+
+    conn = current_connection()
+    halt = Keys(run).halt
+    if conn.exists(halt):
+        return {"halted": True}
+    configure()
+    structlog.contextvars.bind_contextvars(run=run, worker=consumer_name(), stage=stage)
+    counts = body(conn)
+    if not conn.exists(halt):
+        top_up(conn, name, run)
+    return counts

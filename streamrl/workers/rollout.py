@@ -1,0 +1,309 @@
+"""The rollout worker: an rq *lease job* that consumes the ``tasks`` stream for a bounded time,
+running many episodes concurrently with asyncio.
+
+Start workers with ``rq worker -S json srl-rollout`` (or ``streamrl worker rollout``); each
+lease job re-enqueues a successor, so every worker always holds one and a new worker starts
+pulling tasks with no other action. The worker keeps nothing between episodes: each
+episode's session is checkpointed to Redis after every turn, and an episode whose worker died
+is reclaimed by another worker after ``claim_idle_ms`` and resumed from its last committed turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import msgspec
+import structlog
+
+from streamrl import schema
+from streamrl.bus.keys import Keys
+from streamrl.bus.streams import (
+    Entry,
+    Scripts,
+    claim_args,
+    dead_letter,
+    deadletter_call,
+    heartbeat_args,
+    parse_claim,
+    parse_read,
+)
+from streamrl.config import RunConfig
+from streamrl.defaults import ROLLOUT_GROUP, ROLLOUT_QUEUE, SESSION_TTL_S
+from streamrl.envs import make_env
+from streamrl.policy import PolicyError, make_policy
+from streamrl.workers import leases
+from streamrl.workers.batcher import Batcher
+from streamrl.workers.context import (
+    async_twin,
+    consumer_name,
+    read_config,
+    url_of,
+)
+from streamrl.workers.episode import LostClaim, finish, new_session, run_episode
+
+log = structlog.get_logger("streamrl.rollout")
+
+
+class RolloutLease:
+    def __init__(
+        self,
+        r: Any,
+        run: str,
+        consumer: str,
+        seconds: float | None = None,
+        on_ready: Any = None,
+        url: str | None = None,
+    ):
+        self.on_ready = on_ready
+        self.url = url
+        self.r = r
+        self.keys = Keys(run)
+        self.run_name = run
+        self.consumer = consumer
+        self.seconds = seconds
+        self.scripts = Scripts(r)
+        self.held: dict[str, Entry] = {}
+        self.active: dict[str, asyncio.Task] = {}
+        self.slot = asyncio.Event()
+        self.counts = {"finished": 0, "lost_claim": 0, "dead_lettered": 0, "policy_errors": 0}
+        self.commits: Batcher = Batcher(self._flush_commits)
+        self.finishes: Batcher = Batcher(self._flush_finishes)
+        self.cursor = "0-0"
+
+    # ---------------------------------------------------------------- Redis calls (batched)
+    async def _flush_commits(self, items: list[tuple[Entry, schema.Session]]) -> list[int]:
+        keys = [self.keys.tasks] + [self.keys.session(e.task_id) for e, _ in items]
+        args: list[Any] = [ROLLOUT_GROUP, self.consumer, SESSION_TTL_S]
+        for e, s in items:
+            args += [e.id, e.fence, schema.encode(s)]
+        return await self.scripts.commit(keys=keys, args=args)
+
+    async def _flush_finishes(self, items: list[tuple[Entry, schema.Trajectory]]) -> list[int]:
+        k = self.keys
+        keys = [k.tasks, k.rollouts, k.stats] + [k.session(e.task_id) for e, _ in items]
+        args: list[Any] = [ROLLOUT_GROUP, self.consumer]
+        for e, t in items:
+            args += [e.id, e.fence, e.task_id, schema.encode(t)]
+        return await self.scripts.finish(keys=keys, args=args)
+
+    async def _deadletter(self, entry: Entry, reason: str) -> None:
+        keys, args = deadletter_call(
+            self.keys,
+            self.keys.tasks,
+            ROLLOUT_GROUP,
+            self.consumer,
+            [(entry, dead_letter(entry, "rollout", reason), b"")],
+            with_session=True,
+        )
+        done = await self.scripts.deadletter(keys=keys, args=args)
+        if done and done[0]:
+            self.counts["dead_lettered"] += 1
+            log.warning("dead-lettered task", task_id=entry.task_id, reason=reason)
+
+    async def _claim(self, own: bool, count: int) -> list[Entry]:
+        args = claim_args(
+            ROLLOUT_GROUP,
+            self.consumer,
+            self.config.streams.claim_idle_ms,
+            count,
+            self.cursor,
+            own,
+            self.keys.session(""),
+        )
+        cursor, entries = parse_claim(await self.scripts.claim(keys=[self.keys.tasks], args=args))
+        if not own:
+            self.cursor = cursor
+        if entries:
+            log.info("claimed", count=len(entries), own=own, consumer=self.consumer)
+        return entries
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.streams.heartbeat_s)
+            held = list(self.held.values())
+            if not held:
+                continue
+            lost = await self.scripts.heartbeat(
+                keys=[self.keys.tasks], args=heartbeat_args(ROLLOUT_GROUP, self.consumer, held)
+            )
+            for raw in lost:
+                eid = raw.decode()
+                task = self.active.get(eid)
+                if task is not None:
+                    task.cancel()
+                    self.counts["lost_claim"] += 1
+
+    # ---------------------------------------------------------------- episodes
+    def _env(self, name: str):
+        """Tasks name their environment; a run may mix several (options: the run's env)."""
+        env = self.envs.get(name)
+        if env is None:
+            env = self.envs[name] = make_env(name)
+        return env
+
+    def _start(self, entries: list[Entry]) -> None:
+        for e in entries:
+            if e.id in self.active:
+                continue
+            self.held[e.id] = e
+            self.active[e.id] = asyncio.create_task(self._episode(e))
+
+    async def _episode(self, entry: Entry) -> None:
+        cfg = self.config
+        # each asyncio task runs in its own copy of the context: this binding is per episode
+        structlog.contextvars.bind_contextvars(task_id=entry.task_id, rollout_id=entry.id)
+        try:
+            if entry.fence > cfg.streams.max_deliveries:
+                await self._deadletter(
+                    entry,
+                    f"delivered {entry.fence} times (max {cfg.streams.max_deliveries}): its "
+                    "workers died or its policy kept failing",
+                )
+                return
+            try:
+                task = schema.check_version(schema.TASK.decode(entry.payload))
+            except msgspec.DecodeError as e:
+                await self._deadletter(entry, f"undecodable task: {e}")
+                return
+            session = None
+            if entry.session:
+                try:
+                    session = schema.SESSION.decode(entry.session)
+                    session.claims += 1
+                    session.resumed_from_turn = len(session.turns)
+                except msgspec.DecodeError as e:
+                    log.warning("unreadable session, restarting episode", error=str(e))
+            try:
+                env = self._env(task.env)
+                if session is None:
+                    session = new_session(env, task)
+                traj = await run_episode(
+                    env,
+                    self.policy,
+                    task,
+                    session,
+                    lambda s: self.commits.submit((entry, s)),
+                    cfg.rollout,
+                    worker=self.consumer,
+                )
+            except (LostClaim, PolicyError, asyncio.CancelledError):
+                raise
+            except Exception as e:  # the environment broke on this task: a failed trajectory
+                if session is None:
+                    session = schema.Session(task_id=task.task_id, items=list(task.input))
+                reason = f"environment error: {type(e).__name__}: {e}"
+                traj = finish(task, session, "failed", worker=self.consumer, failure=reason)
+            ok = await self.finishes.submit((entry, traj))
+            if ok:
+                self.counts["finished"] += 1
+            else:
+                self.counts["lost_claim"] += 1
+        except LostClaim:
+            self.counts["lost_claim"] += 1
+        except PolicyError as e:
+            # Infrastructure, not the model's fault: leave the entry pending so that it is
+            # retried after claim_idle_ms (and dead-lettered after max_deliveries).
+            self.counts["policy_errors"] += 1
+            log.error("policy failed; task left for retry", task_id=entry.task_id, error=str(e))
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            log.exception("rollout worker error; task left for retry", task_id=entry.task_id)
+        finally:
+            self.held.pop(entry.id, None)
+            self.active.pop(entry.id, None)
+            self.slot.set()
+
+    # ---------------------------------------------------------------- the lease
+    async def _wait_config(self, until: float) -> RunConfig | None:
+        while time.monotonic() < until:
+            cfg = read_config(await self.r.get(self.keys.config))
+            if cfg is not None:
+                return cfg
+            await asyncio.sleep(0.5)
+        return None
+
+    async def run(self) -> dict[str, Any]:
+        started = time.monotonic()
+        probe_until = started + (self.seconds or 30.0)
+        cfg = await self._wait_config(probe_until)
+        if cfg is None:
+            log.info("no config for run yet; lease ends", run=self.run_name)
+            return self.counts
+        self.config = cfg
+        self.envs = {cfg.env: make_env(cfg.env, **cfg.env_options)}
+        self.policy = make_policy(
+            cfg.policy,
+            self.envs[cfg.env],
+            redis_url=self.url,
+            run=self.run_name,
+            env_for=self._env,
+        )
+        if self.on_ready is not None:
+            self.on_ready()
+        rc = cfg.rollout
+        end = started + (self.seconds if self.seconds is not None else rc.lease_seconds)
+        # visible in XINFO CONSUMERS (and `streamrl status`) before its first delivery
+        await self.r.xgroup_createconsumer(self.keys.tasks, ROLLOUT_GROUP, self.consumer)
+        heartbeat = asyncio.create_task(self._heartbeat_loop())
+        try:
+            self._start(await self._claim(own=True, count=rc.max_concurrent))
+            next_stale = next_halt = 0.0
+            low_water = max(1, min(rc.read_batch, rc.max_concurrent) // 2)
+            while time.monotonic() < end:
+                cap = rc.max_concurrent - len(self.active)
+                if cap < low_water and self.active:
+                    self.slot.clear()
+                    try:
+                        await asyncio.wait_for(self.slot.wait(), timeout=end - time.monotonic())
+                    except TimeoutError:
+                        break
+                    continue
+                now = time.monotonic()
+                if now >= next_halt:
+                    next_halt = now + 0.5
+                    if await self.r.exists(self.keys.halt):
+                        break
+                if now >= next_stale:
+                    next_stale = now + max(0.2, cfg.streams.claim_idle_ms / 2000)
+                    self._start(await self._claim(own=False, count=cap))
+                    cap = rc.max_concurrent - len(self.active)
+                    if cap <= 0:
+                        continue
+                block = int(min(cfg.streams.block_ms, max(1.0, (end - now) * 1000)))
+                resp = await self.r.xreadgroup(
+                    ROLLOUT_GROUP,
+                    self.consumer,
+                    {self.keys.tasks: ">"},
+                    count=min(cap, rc.read_batch),
+                    block=block,
+                )
+                self._start(parse_read(resp))
+            if self.active:
+                await asyncio.wait(list(self.active.values()), timeout=rc.drain_seconds)
+            for task in list(self.active.values()):
+                task.cancel()
+        finally:
+            heartbeat.cancel()
+            await self.policy.close()
+        log.info("lease done", run=self.run_name, consumer=self.consumer, **self.counts)
+        return self.counts
+
+
+def lease(run: str, seconds: float | None = None) -> dict[str, Any]:
+    """The rq job: consume tasks for one lease, then hand the worker back to rq."""
+    return leases.run_lease(
+        run, ROLLOUT_QUEUE, "rollout", lambda conn: asyncio.run(_lease(conn, run, seconds))
+    )
+
+
+async def _lease(conn: Any, run: str, seconds: float | None) -> dict[str, Any]:
+    r = async_twin(conn)
+    try:
+        ready = lambda: leases.top_up(conn, ROLLOUT_QUEUE, run, at_most_every_s=1.0)  # noqa: E731
+        lease = RolloutLease(r, run, consumer_name(), seconds, on_ready=ready, url=url_of(conn))
+        return await lease.run()
+    finally:
+        await r.aclose()

@@ -1,0 +1,246 @@
+"""The verifier worker: an rq lease job that scores trajectories from the ``rollouts`` stream.
+
+Start with ``rq worker -S json srl-verify`` (or ``streamrl worker verify``). Each score is
+appended to the live ``scored`` stream and added to its group in one Lua script that ignores
+duplicates; the last sample of a group writes the Group to ``groups`` exactly once. A verifier
+that raises or times out is retried, then dead-lettered with its reason and its group dropped:
+a failure is never a reward of 0.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import redis
+import structlog
+
+from streamrl import schema
+from streamrl.bus.keys import Keys
+from streamrl.bus.streams import (
+    Entry,
+    Scripts,
+    claim_args,
+    dead_letter,
+    deadletter_call,
+    heartbeat_args,
+    parse_claim,
+    parse_read,
+)
+from streamrl.bus.trim import trim_run
+from streamrl.config import RunConfig
+from streamrl.defaults import GROUP_DONE_TTL_S, SCHEMA_VERSION, VERIFY_GROUP, VERIFY_QUEUE
+from streamrl.envs import Environment, make_env
+from streamrl.verifiers.deadline import VerifierTimeout, deadline
+from streamrl.workers import leases
+from streamrl.workers.context import consumer_name, read_config
+
+log = structlog.get_logger("streamrl.verify")
+
+
+class VerifyFailure(Exception):
+    pass
+
+
+def verify_one(
+    env: Environment, traj: schema.Trajectory, timeout_s: float, retries: int
+) -> schema.Score:
+    """Score a trajectory, or raise VerifyFailure saying why it could not be scored."""
+    name, version = env.verifier_id
+    task = traj.task()
+    last = ""
+    for attempt in range(retries + 1):
+        try:
+            with deadline(timeout_s):
+                state = env.decode_state(traj.state)
+                verdict = env.verify(task, traj, state)
+            reward = float(verdict.reward)
+            if reward != reward or reward in (float("inf"), float("-inf")):
+                raise ValueError(f"verifier returned a non-finite reward {reward}")
+            return schema.Score(
+                task_id=traj.task_id,
+                prompt_id=traj.prompt_id,
+                k=traj.k,
+                reward=reward,
+                components=verdict.components,
+                details=verdict.details,
+                verifier=name,
+                verifier_version=version,
+                policy_versions=traj.policy_versions,
+                scored_at=time.time(),
+            )
+        except VerifierTimeout as e:
+            last = str(e)
+        except Exception as e:
+            last = f"verifier {name} raised {type(e).__name__}: {e}"
+        log.warning("verifier attempt failed", task_id=traj.task_id, attempt=attempt, error=last)
+    raise VerifyFailure(f"{last} (after {retries + 1} attempts)")
+
+
+class VerifyLease:
+    def __init__(self, r: redis.Redis, run: str, consumer: str, seconds: float | None = None):
+        self.r = r
+        self.keys = Keys(run)
+        self.run_name = run
+        self.consumer = consumer
+        self.seconds = seconds
+        self.scripts = Scripts(r)
+        self.envs: dict[str, Environment] = {}
+        self.cursor = "0-0"
+        self.counts = {"scored": 0, "duplicates": 0, "dead_lettered": 0, "lost_claim": 0}
+
+    def _env(self, name: str) -> Environment:
+        env = self.envs.get(name)
+        if env is None:
+            opts = self.config.env_options if name == self.config.env else {}
+            env = self.envs[name] = make_env(name, **opts)
+        return env
+
+    def _claim(self, own: bool, count: int) -> list[Entry]:
+        args = claim_args(
+            VERIFY_GROUP,
+            self.consumer,
+            self.config.streams.claim_idle_ms,
+            count,
+            self.cursor,
+            own,
+            "",
+        )
+        cursor, entries = parse_claim(self.scripts.claim(keys=[self.keys.rollouts], args=args))
+        if not own:
+            self.cursor = cursor
+        return entries
+
+    def _failure(self, e: Entry, reason: str, traj: schema.Trajectory | None) -> tuple:
+        score = b""
+        if traj is not None:
+            score = schema.encode(
+                schema.Score(
+                    task_id=traj.task_id,
+                    prompt_id=traj.prompt_id,
+                    k=traj.k,
+                    reward=None,
+                    failure=reason,
+                    policy_versions=traj.policy_versions,
+                    worker=self.consumer,
+                    scored_at=time.time(),
+                )
+            )
+        return (e, dead_letter(e, "verify", reason), score)
+
+    def process(self, entries: list[Entry]) -> None:
+        cfg = self.config
+        ok: list[tuple[Entry, schema.Trajectory, schema.Score]] = []
+        failed: list[tuple] = []
+        last_beat = time.monotonic()
+        for i, e in enumerate(entries):
+            if time.monotonic() - last_beat > cfg.streams.heartbeat_s:
+                self.scripts.heartbeat(
+                    keys=[self.keys.rollouts],
+                    args=heartbeat_args(VERIFY_GROUP, self.consumer, entries[i:]),
+                )
+                last_beat = time.monotonic()
+            if e.fence > cfg.streams.max_deliveries:
+                failed.append(self._failure(e, f"delivered {e.fence} times to verifiers", None))
+                continue
+            try:
+                traj = schema.check_version(schema.TRAJECTORY.decode(e.payload))
+            except msgspec.DecodeError as err:
+                failed.append(self._failure(e, f"undecodable trajectory: {err}", None))
+                continue
+            if traj.status == "failed":
+                failed.append(self._failure(e, f"rollout failed: {traj.failure}", traj))
+                continue
+            try:
+                env = self._env(traj.env)
+                score = verify_one(env, traj, cfg.verify.timeout_s, cfg.verify.retries)
+            except Exception as err:  # VerifyFailure, or an environment that cannot load
+                failed.append(self._failure(e, str(err), traj))
+                continue
+            score.rollout_id = e.id
+            score.worker = self.consumer
+            ok.append((e, traj, score))
+        if ok:
+            self._score(ok)
+        if failed:
+            keys, args = deadletter_call(
+                self.keys, self.keys.rollouts, VERIFY_GROUP, self.consumer, failed, False
+            )
+            res = self.scripts.deadletter(keys=keys, args=args)
+            self.counts["dead_lettered"] += sum(res)
+            for (e, _, _), done in zip(failed, res, strict=True):
+                if done:
+                    log.warning("dead-lettered trajectory", task_id=e.task_id)
+
+    def _score(self, ok: list[tuple[Entry, schema.Trajectory, schema.Score]]) -> None:
+        k = self.keys
+        keys = [k.rollouts, k.scored, k.groups, k.stats]
+        args: list[Any] = [VERIFY_GROUP, self.consumer, SCHEMA_VERSION, GROUP_DONE_TTL_S]
+        for e, traj, score in ok:
+            keys.append(k.group(traj.prompt_id))
+            sample = schema.Sample(score=score, trajectory=traj)
+            args += [
+                e.id,
+                e.fence,
+                traj.task_id,
+                traj.prompt_id,
+                traj.k,
+                traj.group_size,
+                repr(score.reward),
+                schema.encode(score),
+                schema.encode(sample),
+            ]
+        res = self.scripts.score(keys=keys, args=args)
+        self.counts["scored"] += res.count(1)
+        self.counts["duplicates"] += res.count(2)
+        self.counts["lost_claim"] += res.count(0)
+
+    def _wait_config(self, until: float) -> RunConfig | None:
+        while time.monotonic() < until:
+            cfg = read_config(self.r.get(self.keys.config))
+            if cfg is not None:
+                return cfg
+            time.sleep(0.5)
+        return None
+
+    def run(self) -> dict[str, Any]:
+        started = time.monotonic()
+        cfg = self._wait_config(started + (self.seconds or 30.0))
+        if cfg is None:
+            return self.counts
+        self.config = cfg
+        leases.top_up(self.r, VERIFY_QUEUE, self.run_name, at_most_every_s=1.0)
+        vc = cfg.verify
+        end = started + (self.seconds if self.seconds is not None else vc.lease_seconds)
+        self.r.xgroup_createconsumer(self.keys.rollouts, VERIFY_GROUP, self.consumer)
+        self.process(self._claim(own=True, count=vc.batch))
+        next_stale = next_halt = 0.0
+        while time.monotonic() < end:
+            now = time.monotonic()
+            if now >= next_halt:
+                next_halt = now + 0.5
+                if self.r.exists(self.keys.halt):
+                    break
+            if now >= next_stale:
+                next_stale = now + max(0.2, cfg.streams.claim_idle_ms / 2000)
+                self.process(self._claim(own=False, count=vc.batch))
+            block = int(min(cfg.streams.block_ms, max(1.0, (end - now) * 1000)))
+            resp = self.r.xreadgroup(
+                VERIFY_GROUP, self.consumer, {self.keys.rollouts: ">"}, count=vc.batch, block=block
+            )
+            self.process(parse_read(resp))
+        # each verifier lease also trims the run's streams behind their slowest consumer group
+        trim_run(self.r, self.run_name, cfg.streams.retention_ms)
+        log.info("lease done", run=self.run_name, consumer=self.consumer, **self.counts)
+        return self.counts
+
+
+def lease(run: str, seconds: float | None = None) -> dict[str, Any]:
+    """The rq job: verify for one lease, then hand the worker back to rq."""
+    return leases.run_lease(
+        run,
+        VERIFY_QUEUE,
+        "verify",
+        lambda conn: VerifyLease(conn, run, consumer_name(), seconds).run(),
+    )
