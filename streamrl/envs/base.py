@@ -1,0 +1,158 @@
+"""The environment API.
+
+An environment owns the tools a model may call, the per-episode state (a msgspec Struct, so it
+can be checkpointed to Redis after every turn), how that state changes, and optionally how the
+environment answers a plain assistant message (games, simulated users). Nothing lives in worker
+memory between turns: every method is a function of (task, state, input) -> (output, state).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
+
+import msgspec
+
+from streamrl.envs.toolschema import validate_arguments
+from streamrl.schema import FunctionCall, FunctionTool, Item, Message, Task, Trajectory
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+class Prompt(NamedTuple):
+    """What a generator makes: the opening conversation and the data the verifier needs."""
+
+    input: list[Item]
+    data: dict[str, Any]
+
+
+class StepResult(NamedTuple):
+    output: str
+    state: Any
+
+
+class ReplyResult(NamedTuple):
+    message: str | None  # None: the environment has nothing to say
+    done: bool
+    state: Any
+
+
+class Verdict(msgspec.Struct, kw_only=True):
+    """A verifier's answer before the worker stamps it into a Score."""
+
+    reward: float
+    components: dict[str, float] = msgspec.field(default_factory=dict)
+    details: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class ToolError(Exception):
+    """Raised by a tool for a mistake the model made; the message goes back to the model."""
+
+
+class Environment(Generic[S]):
+    """Subclass, set ``name``, ``State`` and ``tools``, and implement the methods you need."""
+
+    name: ClassVar[str] = ""
+    version: ClassVar[str] = "1"
+    # The verifier's identity stamped on every Score; bump the version whenever scoring changes
+    # so that re-verifying stored trajectories yields a drift report.
+    verifier_name: ClassVar[str] = ""
+    verifier_version: ClassVar[str] = ""
+    State: ClassVar[type[msgspec.Struct]]
+    tools: ClassVar[list[FunctionTool]] = []
+    # The highest reward ``verify`` can give: the audit checks that the reference agent gets it.
+    max_reward: ClassVar[float] = 1.0
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+        self._state_decoder = msgspec.msgpack.Decoder(self.State)
+        self._tools_by_name = {t.name: t for t in self.tools}
+
+    # -- tasks
+    def generate(self, rng: random.Random, index: int) -> Prompt:
+        raise NotImplementedError(f"environment {self.name!r} has no task generator")
+
+    # -- episode
+    def reset(self, task: Task) -> S:
+        raise NotImplementedError
+
+    def step(self, state: S, name: str, arguments: dict[str, Any]) -> StepResult:
+        """Run one tool call whose arguments already match the tool's JSON schema."""
+        raise NotImplementedError(f"environment {self.name!r} has no tools")
+
+    def reply(self, state: S, message: str) -> ReplyResult:
+        """Answer a plain assistant message. Default: the message ends the episode."""
+        return ReplyResult(None, True, state)
+
+    # -- verification
+    def verify(self, task: Task, trajectory: Trajectory, state: S) -> Verdict:
+        """A pure function of its arguments: it never reads worker memory or the network."""
+        raise NotImplementedError
+
+    @property
+    def verifier_id(self) -> tuple[str, str]:
+        return (self.verifier_name or self.name, self.verifier_version or self.version)
+
+    # -- a reference agent: drives the scripted policy and the audit's reference check
+    def reference(self, task: Task, items: list[Item], state: S) -> Item:
+        raise NotImplementedError(f"environment {self.name!r} has no reference agent")
+
+    def wrong(self, task: Task, items: list[Item], state: S) -> Item:
+        """A plausible *wrong* agent's next action: the audit's baseline, which no cheating
+        answer may out-score. Default: the reference's action, with a final answer's last
+        integer changed (see ``perturb_answer``); override when that is not wrong enough."""
+        item = self.reference(task, items, state)
+        if isinstance(item, Message) and item.role == "assistant":
+            return Message(role="assistant", content=perturb_answer(item.content))
+        return item
+
+    # -- plumbing the workers use
+    def encode_state(self, state: S) -> bytes:
+        return msgspec.msgpack.encode(state)
+
+    def decode_state(self, blob: bytes) -> S:
+        return self._state_decoder.decode(blob)
+
+    def call_tool(self, state: S, call: FunctionCall) -> StepResult:
+        """A model's tool call, checked: unknown tools, unparsable JSON and arguments that do
+        not match the schema come back to the model as an error output, never an exception."""
+        tool = self._tools_by_name.get(call.name)
+        if tool is None:
+            known = ", ".join(sorted(self._tools_by_name)) or "none"
+            return StepResult(f"error: unknown tool {call.name!r} (tools: {known})", state)
+        try:
+            args = json.loads(call.arguments) if call.arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            return StepResult(f"error: arguments are not valid JSON: {e}", state)
+        problem = validate_arguments(tool.parameters, args)
+        if problem:
+            return StepResult(f"error: invalid arguments for {call.name}: {problem}", state)
+        try:
+            return self.step(state, call.name, args)
+        except ToolError as e:
+            return StepResult(f"error: {e}", state)
+        except Exception as e:  # a broken tool must not crash the episode or the worker
+            return StepResult(f"error: tool {call.name} raised {type(e).__name__}: {e}", state)
+
+
+def perturb_answer(text: str) -> str:
+    """``text`` with its last integer increased by one (or prefixed with "not" if it has none):
+    the cheapest answer that is wrong for any environment whose answer is a number."""
+    matches = list(re.finditer(r"\d+", text))
+    if not matches:
+        return f"not {text}"
+    m = matches[-1]
+    return f"{text[: m.start()]}{int(m.group()) + 1}{text[m.end() :]}"
+
+
+def last_assistant_text(items: list[Item]) -> str:
+    for item in reversed(items):
+        if isinstance(item, Message) and item.role == "assistant":
+            return item.content
+    return ""
+
+
+def user(text: str) -> Message:
+    return Message(role="user", content=text)

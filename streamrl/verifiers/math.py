@@ -1,0 +1,245 @@
+"""Math answers: a small exact parser and the equivalence the ``math`` environment scores with.
+
+``parse`` reads numbers (integers, decimals, ``1,234``), ``a/b``, ``\\frac{a}{b}``, one-letter
+variables, ``+ - * / ^``, ``\\cdot``/``\\times``, parentheses and implicit products (``2x``,
+``3(x+1)``) into a polynomial with exact rational coefficients, so ``1/2 == 0.5 ==
+\\frac{1}{2}`` and ``2x+1 == 1+2x``. Decimals are exact (``0.33 != 1/3``); a trailing ``%``, a
+``\\text{...}`` unit and a leading ``x =`` are ignored. It never calls ``eval``: unknown syntax,
+division by a non-constant, exponents outside 0..64 and numbers past a size bound are parse
+failures. An expected answer that does not parse (a dataset's "Paris") is compared as a
+normalized string instead; when the expected answer parses, the answer must parse too.
+
+Reward (``score``): 1.0 when the response has at least one final answer (see
+``verifiers.answers``) and every one of them is equivalent to the expected answer, else 0.0.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+from streamrl.envs.base import Verdict
+from streamrl.verifiers.answers import final_answers
+
+Monomial = tuple[tuple[str, int], ...]  # sorted (variable, power) pairs; () is the constant
+Poly = dict[Monomial, Fraction]
+
+MAX_CHARS = 300
+MAX_DEPTH = 60
+MAX_POWER = 64
+MAX_BITS = 2048
+MAX_TERMS = 256
+
+
+class ParseError(ValueError):
+    pass
+
+
+_REWRITES = [
+    (re.compile(r"\\[dt]frac"), r"\\frac"),
+    (re.compile(r"\\text\s*\{[^{}]*\}|\\(?:left|right)|\\[,;:! ]|~|\\?\$|\\?%"), " "),
+    (re.compile(r"\\cdot|\\times|[×·∗]"), "*"),
+    (re.compile(r"\\div|÷"), "/"),
+    (re.compile(r"−"), "-"),
+    (re.compile(r"\*\*"), "^"),
+    (re.compile(r"(?<![\d.])(\d{1,3}(?:,\d{3})+)(?![\d,])"), lambda m: m.group(1).replace(",", "")),
+]
+_TOKEN = re.compile(r"\s*(?:(\d+\.?\d*|\.\d+)|([A-Za-z]+)|(\\frac)|(\\[A-Za-z]+)|(\S))")
+_ASSIGN = re.compile(r"^\s*[A-Za-z]\s*=(?!=)")
+
+
+def _tokens(text: str) -> list[tuple[str, str]]:
+    for pattern, repl in _REWRITES:
+        text = pattern.sub(repl, text)
+    text = _ASSIGN.sub("", text).strip().removesuffix(".")
+    out: list[tuple[str, str]] = []
+    for m in _TOKEN.finditer(text):
+        num, word, frac, command, char = m.groups()
+        if num is not None:
+            out.append(("num", num))
+        elif word is not None:
+            if len(word) > 3:
+                raise ParseError(f"word {word!r} in a math answer")
+            out.extend(("var", c) for c in word)  # xy is x*y
+        elif frac is not None:
+            out.append(("frac", frac))
+        elif command is not None:
+            raise ParseError(f"unsupported command {command}")
+        elif char in "+-*/^(){}":
+            out.append(("op", char))
+        else:
+            raise ParseError(f"unexpected character {char!r}")
+    return out
+
+
+def _check(p: Poly) -> Poly:
+    p = {k: v for k, v in p.items() if v}
+    if len(p) > MAX_TERMS:
+        raise ParseError("too many terms")
+    for v in p.values():
+        if v.numerator.bit_length() > MAX_BITS or v.denominator.bit_length() > MAX_BITS:
+            raise ParseError("number too large")
+    return p
+
+
+def _add(a: Poly, b: Poly, sign: int = 1) -> Poly:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out.get(k, Fraction(0)) + sign * v
+    return _check(out)
+
+
+def _mul(a: Poly, b: Poly) -> Poly:
+    out: Poly = {}
+    for ka, va in a.items():
+        for kb, vb in b.items():
+            powers = dict(ka)
+            for var, n in kb:
+                powers[var] = powers.get(var, 0) + n
+            k = tuple(sorted(powers.items()))
+            out[k] = out.get(k, Fraction(0)) + va * vb
+    return _check(out)
+
+
+def _constant(p: Poly) -> Fraction | None:
+    if not p:
+        return Fraction(0)
+    return p.get(()) if set(p) == {()} else None
+
+
+class _Parser:
+    def __init__(self, tokens: list[tuple[str, str]]):
+        self.tokens, self.i, self.depth = tokens, 0, 0
+
+    def peek(self) -> tuple[str, str] | None:
+        return self.tokens[self.i] if self.i < len(self.tokens) else None
+
+    def take(self, value: str | None = None) -> tuple[str, str]:
+        tok = self.peek()
+        if tok is None or (value is not None and tok[1] != value):
+            raise ParseError(f"expected {value or 'more'} at token {self.i}")
+        self.i += 1
+        return tok
+
+    def expr(self) -> Poly:
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise ParseError("nested too deeply")
+        p = self.term()
+        while (tok := self.peek()) and tok[1] in "+-" and tok[0] == "op":
+            self.take()
+            p = _add(p, self.term(), 1 if tok[1] == "+" else -1)
+        self.depth -= 1
+        return p
+
+    def term(self) -> Poly:
+        p = self.unary()
+        while tok := self.peek():
+            if tok in (("op", "*"), ("op", "/")):
+                self.take()
+                q = self.unary()
+                if tok[1] == "*":
+                    p = _mul(p, q)
+                else:
+                    c = _constant(q)
+                    if not c:
+                        raise ParseError("division by zero or by a non-constant")
+                    p = _mul(p, {(): 1 / c})
+            elif tok[0] in ("var", "frac") or tok in (("op", "("), ("op", "{")):
+                p = _mul(p, self.unary())  # implicit product: 2x, 3(x+1); never "2 3"
+            else:
+                break
+        return p
+
+    def unary(self) -> Poly:
+        tok = self.peek()
+        if tok in (("op", "-"), ("op", "+")):
+            self.take()
+            p = self.unary()
+            return {k: -v for k, v in p.items()} if tok[1] == "-" else p
+        return self.power()
+
+    def power(self) -> Poly:
+        base = self.atom()
+        if self.peek() != ("op", "^"):
+            return base
+        self.take()
+        n = _constant(self.unary())
+        if n is None or n.denominator != 1 or not 0 <= n <= MAX_POWER:
+            raise ParseError("exponents must be whole numbers from 0 to 64")
+        out: Poly = {(): Fraction(1)}
+        for _ in range(int(n)):
+            out = _mul(out, base)
+        return out
+
+    def group(self, close: str) -> Poly:
+        p = self.expr()
+        self.take(close)
+        return p
+
+    def atom(self) -> Poly:
+        kind, value = self.take()
+        if kind == "num":
+            return _check({(): Fraction(value)})
+        if kind == "var":
+            return {((value, 1),): Fraction(1)}
+        if kind == "frac":
+            self.take("{")
+            top = self.group("}")
+            self.take("{")
+            return self.divide(top, self.group("}"))
+        if value == "(":
+            return self.group(")")
+        if value == "{":
+            return self.group("}")
+        raise ParseError(f"unexpected {value!r}")
+
+    def divide(self, top: Poly, bottom: Poly) -> Poly:
+        c = _constant(bottom)
+        if not c:
+            raise ParseError("division by zero or by a non-constant")
+        return _mul(top, {(): 1 / c})
+
+
+def parse(text: str) -> Poly:
+    """``text`` as a polynomial with exact coefficients; ``ParseError`` if it is not one."""
+    if len(text) > MAX_CHARS:
+        raise ParseError("too long to be an answer")
+    parser = _Parser(_tokens(text))
+    if parser.peek() is None:
+        raise ParseError("empty")
+    p = parser.expr()
+    if parser.peek() is not None:
+        raise ParseError(f"unexpected {parser.peek()[1]!r} after the expression")
+    return _check(p)
+
+
+def normalize(text: str) -> str:
+    """The string fallback for answers that are not math: case, blanks and wrappers dropped."""
+    text = re.sub(r"\\text\s*\{([^{}]*)\}", r"\1", text)
+    return re.sub(r"[\s$]+", "", text).lower().removesuffix(".")
+
+
+def equivalent(answer: str, expected: str) -> bool:
+    """Same polynomial when the expected answer parses (then the answer must parse too), else
+    the same normalized string."""
+    try:
+        want = parse(expected)
+    except ParseError:
+        return bool(normalize(answer)) and normalize(answer) == normalize(expected)
+    try:
+        return parse(answer) == want
+    except ParseError:
+        return False
+
+
+def score(response: str, expected: str) -> Verdict:
+    """The math reward (see the module docstring)."""
+    answers = final_answers(response)
+    correct = bool(answers) and all(equivalent(a, expected) for a in answers)
+    shown = answers[0][:64] if len(answers) == 1 else f"{len(answers)} answers"
+    return Verdict(
+        reward=1.0 if correct else 0.0,
+        components={"correct": float(correct), "answered": float(bool(answers))},
+        details={"expected": expected[:64], "answer": shown},
+    )

@@ -1,0 +1,386 @@
+"""Run untrusted Python in a separate, limited process.
+
+What one run gets (Linux):
+
+- rlimits: CPU seconds (RLIMIT_CPU, SIGXCPU then SIGKILL one second later), address space
+  (RLIMIT_AS), processes (RLIMIT_NPROC), file size (RLIMIT_FSIZE), no core dumps;
+- a wall-clock timeout that kills the whole process group, and a capped stdout/stderr (more
+  output than the cap kills the run: ``limit_hit="output"``);
+- a fresh temporary working directory, removed afterwards, and a cleared environment (the
+  interpreter runs with ``-I``: no PYTHON* variables, no user site, no script dir on sys.path);
+- no network: a new network namespace with nothing in it, when the OS allows one
+  (``network_isolated`` says whether it was applied).
+
+When streamrl runs as **root** (the usual container case) each run also gets its own
+unprivileged uid from ``SANDBOX_UID_BASE``. That matters: the kernel does not enforce
+RLIMIT_NPROC for root, and it counts processes per uid, so a shared uid such as ``nobody``
+would let concurrent runs starve each other. With its own uid the run cannot write anything
+root owns (the repository, the caller's cwd, /root), cannot read other processes'
+``/proc/<pid>/environ``, and every process it left behind, even one that escaped the process
+group with ``setsid``, is found by uid and killed. Root also gives the run a private mount
+namespace with empty, size-capped tmpfs mounts over /tmp, /var/tmp, /dev/shm and /run/lock,
+so files written "outside" land in a scratch space that disappears with the run.
+
+Not root: no uid switch, so RLIMIT_NPROC counts all of the user's processes (we allow the
+user's current count plus ``max_procs``), the program can write wherever the user can, and
+network isolation needs unprivileged user namespaces.
+
+``limit_hit`` is a diagnosis: wall, output and CPU come from what the parent saw; memory,
+file size and processes are read off the program's own error (MemoryError, EFBIG, EAGAIN)
+and so are hints a program could fake, never a security signal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pwd
+import secrets
+import selectors
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from typing import Literal
+
+import click
+import msgspec
+
+from streamrl import defaults
+
+LimitHit = Literal["wall", "cpu", "memory", "file_size", "processes", "output"]
+
+_LAUNCHER = str(Path(__file__).with_name("_sandbox_launch.py"))
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (not the program): a verifier failure, never a reward."""
+
+
+class SandboxResult(msgspec.Struct, kw_only=True):
+    exit_code: int  # negative: killed by that signal
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    limit_hit: LimitHit | None = None
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    network_isolated: bool = False
+    private_tmp: bool = False
+    uid: int | None = None  # the unprivileged uid the program ran as, None if not switched
+    notes: list[str] = []  # isolation this OS would not give us
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and self.limit_hit is None
+
+
+# ---------------------------------------------------------------- the interpreter
+
+
+def _world_usable(path: str) -> bool:
+    """Can an unrelated uid execute ``path`` and traverse every directory above it?"""
+    p = Path(path)
+    try:
+        if not p.stat().st_mode & stat.S_IXOTH:
+            return False
+        return all(d.stat().st_mode & stat.S_IXOTH for d in p.parents)
+    except OSError:
+        return False
+
+
+def find_python(for_other_uid: bool) -> str:
+    """Our own interpreter when the sandbox uid can use it, else a system python3.
+
+    A pyenv or venv under /root (mode 0700) is unreachable once we drop to another uid."""
+    own = os.path.realpath(sys.executable)
+    stdlib = sysconfig.get_paths()["stdlib"]
+    if not for_other_uid or (_world_usable(own) and _world_usable(stdlib + "/os.py")):
+        return own
+    for candidate in ("/usr/local/bin/python3", "/usr/bin/python3", "/bin/python3"):
+        real = os.path.realpath(candidate)
+        if os.path.exists(real) and _world_usable(real):
+            return real
+    raise SandboxError(f"no python interpreter usable by an unprivileged uid (own: {own})")
+
+
+# ---------------------------------------------------------------- processes of a uid
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return True  # gone
+
+
+def _pids_of_uid(uid: int) -> list[int]:
+    """Live processes running as ``uid`` (zombies hold nothing and cannot be killed)."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid and not _is_zombie(int(entry.name)):
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+def _pick_uid() -> int:
+    for _ in range(32):
+        uid = defaults.SANDBOX_UID_BASE + secrets.randbelow(defaults.SANDBOX_UID_COUNT)
+        try:
+            pwd.getpwuid(uid)
+            continue  # a real account: not ours to use
+        except KeyError:
+            pass
+        if not _pids_of_uid(uid):
+            return uid
+    raise SandboxError("no free sandbox uid")
+
+
+def _kill_all(pgid: int, uid: int | None) -> None:
+    """Kill the process group, then (with a sandbox uid) everything running as that uid, until
+    nothing is left: processes that called setsid escaped the group but not their uid."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    if uid is None:
+        return
+    for _ in range(200):
+        pids = _pids_of_uid(uid)
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.005)
+
+
+def _user_process_count() -> int:
+    return len(_pids_of_uid(os.getuid()))
+
+
+# ---------------------------------------------------------------- running
+
+
+def _classify(status: int, stderr: str, cpu: float, cpu_s: float) -> tuple[int, LimitHit | None]:
+    code = os.waitstatus_to_exitcode(status)
+    if code in (-signal.SIGXCPU,) or (code == -signal.SIGKILL and cpu >= cpu_s - 0.05):
+        return code, "cpu"
+    if code == -signal.SIGXFSZ:
+        return code, "file_size"
+    if code == 0:
+        return code, None
+    tail = stderr[-2000:]
+    if "File too large" in tail or "[Errno 27]" in tail:
+        return code, "file_size"
+    if "MemoryError" in tail or "Cannot allocate memory" in tail:
+        return code, "memory"
+    if "Resource temporarily unavailable" in tail or "[Errno 11]" in tail:
+        return code, "processes"
+    return code, None
+
+
+def _read_status(fd: int, deadline: float) -> dict:
+    buf = b""
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        sel = selectors.DefaultSelector()
+        sel.register(f, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                break
+            chunk = f.read(4096)
+            if not chunk:
+                break
+            buf += chunk
+        sel.close()
+    lines = [json.loads(x) for x in buf.decode().splitlines() if x.strip()]
+    for line in lines:
+        if "error" in line:
+            raise SandboxError(f"sandbox setup failed: {line['error']}")
+    if not lines:
+        raise SandboxError("sandbox launcher reported nothing")
+    return lines[0]
+
+
+def run_python(
+    program: str | os.PathLike[str],
+    *,
+    timeout_s: float = defaults.SANDBOX_TIMEOUT_S,
+    memory_mb: int = defaults.SANDBOX_MEMORY_MB,
+    cpu_s: float | None = None,
+    max_procs: int = defaults.SANDBOX_MAX_PROCS,
+    max_file_mb: int = defaults.SANDBOX_MAX_FILE_MB,
+    stdin: str | bytes | None = None,
+    files: dict[str, str | bytes] | None = None,
+    args: list[str] | None = None,
+    max_output_bytes: int = defaults.SANDBOX_MAX_OUTPUT_BYTES,
+    isolate_network: bool = True,
+) -> SandboxResult:
+    """Run ``program`` (source text, or a path to a .py file) as ``main.py`` in a fresh
+    working directory next to ``files``; see the module docstring for what is enforced."""
+    source = Path(program).read_text() if isinstance(program, os.PathLike) else program
+    cpu_limit = int(max(1, round(cpu_s if cpu_s is not None else timeout_s)))
+    as_root = os.geteuid() == 0
+    uid = _pick_uid() if as_root else None
+    python = find_python(for_other_uid=uid is not None)
+    workdir = tempfile.mkdtemp(prefix="srl-sandbox-")
+    try:
+        for name, content in {**(files or {}), "main.py": source}.items():
+            target = Path(workdir, name)
+            if target.resolve().parent != Path(workdir).resolve():
+                raise ValueError(f"sandbox file names must be plain names, got {name!r}")
+            target.write_bytes(content.encode() if isinstance(content, str) else content)
+        if uid is not None:
+            for p in [workdir, *(str(Path(workdir, n)) for n in os.listdir(workdir))]:
+                os.chown(p, uid, uid)
+        nproc = max_procs if uid is not None else _user_process_count() + max_procs
+        status_r, status_w = os.pipe()
+        cfg = {
+            "status_fd": status_w,
+            "workdir": workdir,
+            "uid": uid,
+            "gid": uid,
+            "isolate_network": isolate_network,
+            "private_tmp": list(defaults.SANDBOX_PRIVATE_TMP),
+            "tmp_mb": max_file_mb,
+            "rlimits": {
+                "RLIMIT_CPU": [cpu_limit, cpu_limit + 1],
+                "RLIMIT_AS": [memory_mb << 20, memory_mb << 20],
+                "RLIMIT_NPROC": [nproc, nproc],
+                "RLIMIT_FSIZE": [max_file_mb << 20, max_file_mb << 20],
+                "RLIMIT_CORE": [0, 0],
+            },
+            "argv": [python, "-I", "main.py", *(args or [])],
+            "env": {
+                "PATH": "/usr/local/bin:/usr/bin:/bin",
+                "HOME": workdir,
+                "LANG": "C.UTF-8",
+                "PYTHONIOENCODING": "utf-8",
+            },
+        }
+        # stdin from a file, not a pipe: no deadlock however much the program ignores it
+        with tempfile.TemporaryFile() as stdin_file:
+            if stdin is not None:
+                stdin_file.write(stdin.encode() if isinstance(stdin, str) else stdin)
+                stdin_file.seek(0)
+            return _supervise(cfg, status_r, status_w, stdin_file, timeout_s, max_output_bytes)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _supervise(
+    cfg: dict, status_r: int, status_w: int, stdin_file, timeout_s: float, cap: int
+) -> SandboxResult:
+    start = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", _LAUNCHER, json.dumps(cfg)],
+            stdin=stdin_file,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(status_w,),
+            start_new_session=True,
+            env={},
+            cwd=cfg["workdir"],
+        )
+    except BaseException:
+        os.close(status_r)
+        raise
+    finally:
+        os.close(status_w)
+    uid = cfg["uid"]
+    deadline = start + timeout_s
+    out = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    timed_out = over = False
+    status: int | None = None
+    usage = None
+    try:
+        report = _read_status(status_r, start + 10.0)
+        sel = selectors.DefaultSelector()
+        for f in out:
+            sel.register(f, selectors.EVENT_READ)
+        while sel.get_map():
+            if status is None:
+                pid, st, ru = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    status, usage = st, ru
+                    _kill_all(proc.pid, uid)  # leftovers would hold the pipes open
+            if status is None and time.monotonic() >= deadline:
+                timed_out = True
+                break
+            for key, _ in sel.select(timeout=0.05):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                out[key.fileobj] += chunk
+                if len(out[key.fileobj]) > cap:
+                    over = True
+            if over:
+                break
+        sel.close()
+    finally:
+        _kill_all(proc.pid, uid)
+        if status is None:
+            _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        for f in out:
+            f.close()
+    cpu = usage.ru_utime + usage.ru_stime if usage else 0.0
+    stdout = out[proc.stdout][:cap].decode(errors="replace")
+    stderr = out[proc.stderr][:cap].decode(errors="replace")
+    code, limit = _classify(status, stderr, cpu, cfg["rlimits"]["RLIMIT_CPU"][0])
+    if over:
+        limit = "output"
+    if timed_out:
+        limit = "wall"
+    return SandboxResult(
+        exit_code=code,
+        stdout=stdout,
+        stderr=stderr,
+        timed_out=timed_out,
+        limit_hit=limit,
+        seconds=round(time.monotonic() - start, 4),
+        cpu_seconds=round(cpu, 4),
+        network_isolated=report.get("network") is not None,
+        private_tmp=bool(report.get("private_tmp")),
+        uid=report.get("uid") if uid is not None else None,
+        notes=report.get("notes", []),
+    )
+
+
+# ---------------------------------------------------------------- command line
+
+
+@click.group("sandbox")
+def sandbox_group() -> None:
+    """Run untrusted Python the way verifiers do."""
+
+
+@sandbox_group.command("run")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--timeout", "timeout_s", type=float, default=defaults.SANDBOX_TIMEOUT_S)
+@click.option("--memory-mb", type=int, default=defaults.SANDBOX_MEMORY_MB)
+@click.option("--json", "as_json", is_flag=True, help="Print the SandboxResult as JSON.")
+def run_command(file: Path, timeout_s: float, memory_mb: int, as_json: bool) -> None:
+    """Run FILE.py in the sandbox; exit with its exit code (125 if a limit was hit)."""
+    stdin = None if sys.stdin.isatty() else sys.stdin.buffer.read()
+    result = run_python(file, timeout_s=timeout_s, memory_mb=memory_mb, stdin=stdin)
+    if as_json:
+        click.echo(msgspec.json.encode(result).decode())
+    else:
+        sys.stdout.write(result.stdout)
+        sys.stderr.write(result.stderr)
+        if result.limit_hit:
+            click.echo(f"sandbox: limit hit: {result.limit_hit}", err=True)
+    code = result.exit_code if result.limit_hit is None else 125
+    sys.exit(code if 0 <= code < 256 else 125)
