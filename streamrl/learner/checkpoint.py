@@ -1,0 +1,174 @@
+"""Atomic checkpoints of the learner: weights, optimizer, RNG states and progress.
+
+Layout (``<output_dir>/checkpoints/``)::
+
+    step-00000012/
+        weights.pt     trainable parameters by name (the LoRA adapter only, under LoRA)
+        optimizer.pt   AdamW state
+        rng.pt         torch (CPU and CUDA), python ``random`` and numpy RNG states
+        state.json     LearnerState: step, policy version, counters, last consumed stream ID
+
+A checkpoint is written to ``.tmp-step-…`` beside it, every file fsynced, then renamed into
+place and the directory fsynced: a directory named ``step-*`` is always complete. The newest
+one wins; older ones beyond ``keep`` are deleted.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+from torch import nn
+
+from streamrl.learner._failpoints import failpoint
+
+PREFIX = "step-"
+TMP_PREFIX = ".tmp-"
+
+
+class Counters(msgspec.Struct, kw_only=True):
+    """What the learner did with the groups it read. Consumed = applied + every dropped_*."""
+
+    groups_consumed: int = 0
+    groups_applied: int = 0
+    dropped_stale: int = 0
+    dropped_zero_variance: int = 0
+    dropped_no_tokens: int = 0
+    dropped_invalid: int = 0
+    samples_consumed: int = 0
+    tokens_trained: int = 0
+
+    def add(self, other: Counters) -> None:
+        for f in self.__struct_fields__:
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+
+
+class LearnerState(msgspec.Struct, kw_only=True):
+    """Everything besides tensors that a restart needs. ``last_id``: the newest ``groups``
+    entry whose effect (applied or dropped) is in the weights; entries up to it are acked."""
+
+    step: int = 0
+    policy_version: int = 0
+    last_id: str = "0-0"
+    counters: Counters = msgspec.field(default_factory=Counters)
+    reward_mean: float = 0.0
+    loss: float = 0.0
+    checkpoint_step: int = 0
+    checkpoint_time: float = 0.0
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if "numpy" in sys.modules:
+        state["numpy"] = sys.modules["numpy"].random.get_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    directory: Path,
+    state: LearnerState,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    keep: int = 2,
+) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    name = f"{PREFIX}{state.step:08d}"
+    final = directory / name
+    tmp = directory / f"{TMP_PREFIX}{name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    torch.save(trainable_state(model), tmp / "weights.pt")
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(_rng_state(), tmp / "rng.pt")
+    (tmp / "state.json").write_bytes(msgspec.json.encode(state))
+    for f in tmp.iterdir():
+        fsync_path(f)
+    fsync_path(tmp)
+    failpoint("mid_checkpoint", state.step)
+    old = None
+    if final.exists():  # the same step written again: move the old one aside, never delete first
+        old = directory / f"{TMP_PREFIX}old-{name}-{os.getpid()}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_path(directory)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    for old in checkpoints(directory)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
+
+
+def clean_temporaries(directory: Path) -> None:
+    """Half-written checkpoints of a process that died while writing."""
+    if directory.is_dir():
+        for p in directory.iterdir():
+            if p.name.startswith(TMP_PREFIX):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    found = checkpoints(directory)
+    return found[-1] if found else None
+
+
+def read_state(path: Path) -> LearnerState:
+    return msgspec.json.decode((path / "state.json").read_bytes(), type=LearnerState)
+
+
+def restore_checkpoint(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> LearnerState:
+    weights = torch.load(path / "weights.pt", map_location="cpu", weights_only=True)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    missing = params.keys() ^ weights.keys()
+    if missing:
+        raise RuntimeError(f"checkpoint {path} does not match the model: {sorted(missing)[:5]}")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(weights[n])
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    _set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    return read_state(path)
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,122 @@
+"""The learner's configuration: the ``[learner]`` table of an experiment's TOML file.
+
+Loss options carry TRL's ``GRPOConfig`` names and meanings (``loss_type``, ``scale_rewards``,
+``epsilon``, ``epsilon_high``, ``delta``, ``beta``, ``temperature``, ``max_completion_length``,
+``use_bias_correction_kl``), so a TRL user's settings carry over; importance sampling against
+the behaviour policy uses TRL's ``vllm_importance_sampling_*`` mode names without the ``vllm_``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from streamrl import defaults as d
+from streamrl.learner.losses import IMPORTANCE_SAMPLING, LOSS_TYPES, SCALE_REWARDS
+
+
+class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # -- model
+    model: str  # a Hugging Face model directory (config, weights, tokenizer)
+    output_dir: str = ""  # checkpoints/ and policy/ live here; "" → .streamrl/<run>/learner
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    seed: int = 0
+    torch_threads: int = 0  # CPU threads for torch; 0 leaves torch's default
+
+    # -- LoRA (peft); lora_r = 0 trains the full model
+    lora_r: int = 0
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] | str = "all-linear"
+
+    # -- batches
+    batch_groups: int = 8  # groups per optimizer step
+    micro_batch_size: int = 0  # sequences per forward/backward (gradient accumulation); 0 = all
+    max_staleness: int = 4  # drop groups sampled more than this many policy versions ago
+
+    # -- loss (TRL names)
+    loss_type: str = "dapo"  # grpo | dr_grpo | dapo | bnpo
+    scale_rewards: str = "group"  # group | batch | none
+    epsilon: float = 0.2  # ε_low
+    epsilon_high: float | None = None  # ε_high; None → epsilon
+    delta: float | None = None  # two-sided clip (INTELLECT-2); None = off
+    clip_against: Literal["current", "behaviour"] = "current"
+    importance_sampling: str = "token_truncate"  # off | token_truncate | token_mask | sequence_*
+    importance_sampling_max: float | None = 2.0  # C (cap): TRL's vllm_importance_sampling_clip_max
+    importance_sampling_min: float | None = None  # TRL's vllm_importance_sampling_clip_min
+    beta: float = 0.0  # KL coefficient to the reference (initial) model; 0 = no reference model
+    use_bias_correction_kl: bool = True
+    temperature: float = 1.0  # the sampler's temperature: logits are divided by it
+    max_completion_length: int = 512  # dr_grpo's constant normaliser
+
+    # -- optimizer (AdamW) and schedule
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 = no clipping
+    warmup_steps: int = 0
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    total_steps: int = 0  # where linear/cosine decay reaches 0; also stops the learner (0 = never)
+
+    # -- checkpoints and weight publishing
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 2
+    sync_every: int = 1
+    keep_policy_versions: int = 3
+
+    # -- stream reading
+    block_ms: int = d.READ_BLOCK_MS
+    read_count: int = 64
+    consumer: str = d.LEARNER_GROUP  # stable across restarts: its pending entries are ours
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.loss_type in LOSS_TYPES, f"loss_type must be one of {LOSS_TYPES}"),
+            (self.scale_rewards in SCALE_REWARDS, f"scale_rewards must be one of {SCALE_REWARDS}"),
+            (
+                self.importance_sampling in IMPORTANCE_SAMPLING,
+                f"importance_sampling must be one of {IMPORTANCE_SAMPLING}",
+            ),
+            (
+                self.clip_against == "current" or self.importance_sampling == "off",
+                "clip_against='behaviour' already takes the ratio against the behaviour policy; "
+                "set importance_sampling='off'",
+            ),
+            (self.batch_groups >= 1, "batch_groups must be >= 1"),
+            (self.checkpoint_every >= 1, "checkpoint_every must be >= 1"),
+            (self.sync_every >= 1, "sync_every must be >= 1"),
+            (self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1"),
+            (self.keep_policy_versions >= 1, "keep_policy_versions must be >= 1"),
+            (self.max_staleness >= 0, "max_staleness must be >= 0"),
+            (0 < self.block_ms <= 5000, "block_ms must be in (0, 5000]"),
+            (self.temperature > 0, "temperature must be > 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise msgspec.ValidationError(message)
+
+    @property
+    def eps_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def out_dir(self, run: str) -> Path:
+        return Path(self.output_dir) if self.output_dir else Path(d.RUN_DIR) / run / "learner"
+
+
+def load_learner_config(path: str | Path, **overrides: object) -> LearnerConfig:
+    """The ``[learner]`` table of a TOML experiment file; relative ``model`` and
+    ``output_dir`` paths are kept as written (relative to the working directory)."""
+    with open(path, "rb") as f:
+        raw = tomllib.load(f)
+    table = dict(raw.get("learner", {}))
+    table.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return msgspec.convert(table, LearnerConfig)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"{path} [learner]: {e}") from None

@@ -1,0 +1,361 @@
+"""The learner process: ``streamrl learn --config configs/<name>.toml``.
+
+    read groups (consumer group ``learner``) ─▶ drop stale / zero-variance ─▶ batch of
+    ``batch_groups`` ─▶ optimizer step ─▶ every ``sync_every``: publish weights
+                                      └──▶ every ``checkpoint_every``: checkpoint, then XACK
+
+Exactly once. The learner XACKs a ``groups`` entry only after a checkpoint whose weights
+contain its effect (applied, or dropped and counted). The checkpoint records ``last_id``,
+the newest such entry. A restarted learner restores the newest checkpoint and first re-reads
+its own pending entries (XREADGROUP from ``0``, same consumer name): those up to ``last_id``
+are acked and skipped, the rest are processed again, in the same order as the first time.
+Training is deterministic given the checkpoint and that order (seeded, one fixed code path),
+so a learner killed at any moment and restarted ends with bitwise the same weights.
+
+A step's decisions are all taken when its batch completes: the entries read since the
+previous step (accepted or dropped) are folded into the state together, so a checkpoint
+never covers an accepted group that is still waiting for its batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+import msgspec
+import redis
+import structlog
+import torch
+
+from streamrl import schema
+from streamrl.bus.keys import Keys
+from streamrl.bus.streams import ensure_groups
+from streamrl.connection import resolve_url
+from streamrl.defaults import DEFAULT_RUN, LEARNER_GROUP, SOCKET_TIMEOUT_S
+from streamrl.learner import publish
+from streamrl.learner._failpoints import failpoint
+from streamrl.learner.batch import has_tokens, is_zero_variance, make_batch, staleness
+from streamrl.learner.checkpoint import (
+    Counters,
+    LearnerState,
+    clean_temporaries,
+    latest_checkpoint,
+    restore_checkpoint,
+    save_checkpoint,
+)
+from streamrl.learner.config import LearnerConfig, load_learner_config
+from streamrl.learner.model import (
+    AdapterDisabled,
+    load_model,
+    load_reference,
+    seed_everything,
+)
+from streamrl.learner.train import StepStats, make_optimizer, train_step
+from streamrl.workers.context import read_config
+
+log = structlog.get_logger("streamrl.learner")
+
+
+def id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _s(b: bytes | str) -> str:
+    return b.decode() if isinstance(b, bytes) else b
+
+
+@dataclass
+class Window:
+    """Entries read since the last step: what the next step will commit."""
+
+    ids: list[str] = field(default_factory=list)
+    groups: list[schema.Group] = field(default_factory=list)
+    counters: Counters = field(default_factory=Counters)
+
+
+@dataclass
+class Learner:
+    r: redis.Redis
+    keys: Keys
+    cfg: LearnerConfig
+    out: Path
+    model: torch.nn.Module
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    ref_model: torch.nn.Module | None
+    state: LearnerState
+    window: Window = field(default_factory=Window)
+    unacked: list[str] = field(default_factory=list)
+    last: StepStats | None = None
+    group_size: int = 0  # from the run config; sets the admission limit the producer obeys
+
+    @property
+    def consumer(self) -> str:
+        return self.cfg.consumer
+
+    # -- reading
+    def read(self, start: str, block_ms: int | None) -> list[tuple[str, dict]]:
+        resp = self.r.xreadgroup(
+            LEARNER_GROUP,
+            self.consumer,
+            {self.keys.groups: start},
+            count=self.cfg.read_count,
+            block=block_ms,
+        )
+        return [(_s(eid), fields) for _stream, entries in resp or () for eid, fields in entries]
+
+    def read_pending(self) -> list[tuple[str, dict]]:
+        """This consumer's delivered-but-unacked entries, oldest first."""
+        out: list[tuple[str, dict]] = []
+        start = "0"
+        while True:
+            rows = self.read(start, None)
+            if not rows:
+                return out
+            out.extend(rows)
+            start = rows[-1][0]
+
+    # -- one entry
+    def take(self, entry_id: str, fields: dict | None) -> None:
+        """Decide about one entry: accept into the batch, or drop and count."""
+        w = self.window
+        w.ids.append(entry_id)
+        w.counters.groups_consumed += 1
+        try:
+            group = schema.check_version(schema.GROUP.decode((fields or {})[b"p"]))
+        except (KeyError, msgspec.DecodeError, msgspec.ValidationError) as e:
+            w.counters.dropped_invalid += 1
+            log.warning("invalid group entry", entry_id=entry_id, error=str(e))
+            return
+        w.counters.samples_consumed += len(group.samples)
+        if not has_tokens(group):
+            w.counters.dropped_no_tokens += 1
+        elif is_zero_variance(group):
+            w.counters.dropped_zero_variance += 1
+        elif staleness(group, self.state.policy_version) > self.cfg.max_staleness:
+            w.counters.dropped_stale += 1
+        else:
+            w.groups.append(group)
+            if len(w.groups) == self.cfg.batch_groups:
+                self.step()
+
+    # -- one optimizer step
+    def step(self) -> None:
+        w, st, cfg = self.window, self.state, self.cfg
+        batch = make_batch(w.groups, self.tokenizer.pad_token_id, cfg.scale_rewards)
+        stats = train_step(self.model, self.optimizer, batch, cfg, st.step, self.ref_model)
+        w.counters.groups_applied += len(w.groups)
+        w.counters.tokens_trained += stats.tokens
+        st.counters.add(w.counters)
+        st.last_id = w.ids[-1]
+        st.step += 1
+        st.reward_mean = stats.reward_mean
+        st.loss = stats.loss
+        self.unacked.extend(w.ids)
+        self.window = Window()
+        self.last = stats
+        log.info(
+            "step", step=st.step, loss=round(stats.loss, 6), reward_mean=stats.reward_mean,
+            grad_norm=round(stats.grad_norm, 4), lr=stats.lr, tokens=stats.tokens,
+        )  # fmt: skip
+        if st.step % cfg.sync_every == 0:
+            st.policy_version += 1
+            self.publish()
+        if st.step % cfg.checkpoint_every == 0:
+            self.checkpoint()
+        self.report()
+
+    def publish(self) -> None:
+        pv = publish.publish(
+            self.r,
+            self.keys,
+            self.model,
+            self.tokenizer,
+            self.out / "policy",
+            self.state.policy_version,
+            self.state.step,
+            lora=self.cfg.lora_r > 0,
+            keep=self.cfg.keep_policy_versions,
+        )
+        log.info("published", policy_version=pv.version, step=pv.step, path=pv.path)
+
+    def checkpoint(self) -> None:
+        """Checkpoint, and only then XACK what it covers."""
+        st = self.state
+        st.checkpoint_step, st.checkpoint_time = st.step, time.time()
+        path = save_checkpoint(
+            self.out / "checkpoints", st, self.model, self.optimizer, self.cfg.keep_checkpoints
+        )
+        failpoint("after_checkpoint", st.step)
+        self.ack(self.unacked)
+        self.unacked = []
+        log.info("checkpoint", step=st.step, path=str(path), last_id=st.last_id)
+
+    def ack(self, ids: list[str]) -> None:
+        for i in range(0, len(ids), 1000):
+            self.r.xack(self.keys.groups, LEARNER_GROUP, *ids[i : i + 1000])
+
+    def report(self, status: str = "running") -> None:
+        """Progress for ``streamrl status``: committed counters plus the open window."""
+        st, c = self.state, Counters()
+        c.add(st.counters)
+        c.add(self.window.counters)
+        fields: dict[str, str | int | float] = {
+            "status": status,
+            "pid": os.getpid(),
+            "step": st.step,
+            "policy_version": st.policy_version,
+            **msgspec.structs.asdict(c),
+            "waiting_groups": len(self.window.groups),
+            "last_id": st.last_id,
+            "last_checkpoint_step": st.checkpoint_step,
+            "last_checkpoint_time": st.checkpoint_time,
+            "reward_mean": st.reward_mean,
+            "loss": st.loss,
+            "updated_at": time.time(),
+        }
+        if self.last is not None:
+            fields.update(lr=self.last.lr, grad_norm=self.last.grad_norm)
+        if self.group_size:
+            # admission control: rollouts may run (max_staleness + 1) batches ahead, no more
+            batch = self.cfg.batch_groups * self.group_size
+            fields["max_in_flight"] = (self.cfg.max_staleness + 1) * batch
+        self.r.hset(self.keys.learner, mapping=fields)
+
+    def done(self) -> bool:
+        return bool(self.cfg.total_steps) and self.state.step >= self.cfg.total_steps
+
+
+def connect(url: str) -> redis.Redis:
+    # BLOCK stays ≤ block_ms (≤ 5 s); the socket timeout is well above it, so redis-py never
+    # cuts a blocking read and silently re-sends it.
+    return redis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=5)
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+
+def run_learner(
+    url: str,
+    run: str,
+    config: LearnerConfig,
+    *,
+    exit_when_idle: float | None = None,
+    stop: threading.Event | None = None,
+) -> LearnerState:
+    """Train until ``total_steps`` (if set), until ``stop`` is set (SIGTERM/SIGINT set it in
+    the main thread), or until no group arrived for ``exit_when_idle`` seconds. Returns the
+    final state; the last step is checkpointed and acked on the way out."""
+    cfg = config
+    stop = stop or threading.Event()
+    _stop_on_signals(stop)
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    structlog.contextvars.bind_contextvars(run=run, role="learner")
+    seed_everything(cfg.seed)
+    out = cfg.out_dir(run)
+    r = connect(url)
+    keys = Keys(run)
+    ensure_groups(r, keys)
+
+    model, tokenizer, device = load_model(cfg)
+    ref_model = None
+    if cfg.beta != 0.0:
+        ref_model = AdapterDisabled(model) if cfg.lora_r > 0 else load_reference(cfg, device)
+    optimizer = make_optimizer(model, cfg)
+    ckpt_dir = out / "checkpoints"
+    clean_temporaries(ckpt_dir)
+    path = latest_checkpoint(ckpt_dir)
+    state = restore_checkpoint(path, model, optimizer) if path else LearnerState()
+    lrn = Learner(r, keys, cfg, out, model, tokenizer, optimizer, ref_model, state)
+    run_config = read_config(r.get(keys.config))
+    lrn.group_size = run_config.group_size if run_config else 0
+    log.info("learner started", step=state.step, restored=str(path) if path else None)
+    if path is None:
+        lrn.publish()  # v0: the initial weights, so every backend starts from the same thing
+
+    # Entries delivered to us before a crash: skip what the checkpoint covers, redo the rest.
+    covered = id_key(state.last_id)
+    for entry_id, fields in lrn.read_pending():
+        if id_key(entry_id) <= covered:
+            lrn.ack([entry_id])
+        elif not lrn.done():
+            lrn.take(entry_id, fields)
+    lrn.report()
+
+    idle_since = time.monotonic()
+    while not stop.is_set() and not lrn.done():
+        rows = lrn.read(">", cfg.block_ms)
+        if rows:
+            idle_since = time.monotonic()
+        for entry_id, fields in rows:
+            if lrn.done():
+                break  # left pending: a later learner with a larger total_steps takes them
+            lrn.take(entry_id, fields)
+        lrn.report()
+        if exit_when_idle is not None and time.monotonic() - idle_since > exit_when_idle:
+            break
+
+    if state.step > state.checkpoint_step:
+        lrn.checkpoint()
+    lrn.report(status="stopped")
+    log.info("learner stopped", step=state.step, **msgspec.structs.asdict(state.counters))
+    with contextlib.suppress(redis.RedisError):
+        r.close()
+    return state
+
+
+@click.command("learn")
+@click.option("--config", "config_path", required=True, type=click.Path(exists=True))
+@click.option("--redis", "url", envvar="STREAMRL_REDIS_URL", help="Redis URL of the run.")
+@click.option(
+    "--run", default=None, envvar="STREAMRL_RUN", help="Default: the config's `run`, else default."
+)
+@click.option("--model", default=None, help="Override [learner].model.")
+@click.option("--output-dir", default=None, help="Override [learner].output_dir.")
+@click.option("--device", default=None, help="Override [learner].device (auto|cpu|cuda).")
+@click.option("--total-steps", type=int, default=None, help="Override [learner].total_steps.")
+@click.option(
+    "--exit-when-idle",
+    type=float,
+    default=None,
+    help="Exit after this many seconds without a new group (batch jobs, tests).",
+)
+def learn_command(
+    config_path: str,
+    url: str | None,
+    run: str | None,
+    model: str | None,
+    output_dir: str | None,
+    device: str | None,
+    total_steps: int | None,
+    exit_when_idle: float | None,
+) -> None:
+    """Train the policy on the run's groups (GRPO family), publish weights, checkpoint."""
+    cfg = load_learner_config(
+        config_path, model=model, output_dir=output_dir, device=device, total_steps=total_steps
+    )
+    resolved = resolve_url(url)
+    if not resolved:
+        raise click.UsageError("no Redis: pass --redis URL, set STREAMRL_REDIS_URL or run `up`")
+    if run is None:
+        with open(config_path, "rb") as f:
+            run = str(tomllib.load(f).get("run", DEFAULT_RUN))
+    state = run_learner(resolved, run, cfg, exit_when_idle=exit_when_idle)
+    click.echo(msgspec.json.encode(state).decode())
+
+
+if __name__ == "__main__":
+    learn_command()

@@ -1,0 +1,110 @@
+"""Weight publishing: a policy version on disk, announced on the ``policy`` stream.
+
+Layout (``<output_dir>/policy/``)::
+
+    v3/                          full model (format "safetensors")
+        model.safetensors        one file, every weight
+        config.json  generation_config.json  tokenizer.json  tokenizer_config.json ...
+    v3/                          under LoRA (format "lora")
+        adapter_model.safetensors  adapter_config.json  (base_model_name_or_path = the base)
+        tokenizer files
+
+A version directory is written as ``.tmp-v3-…``, fsynced and renamed, so a backend that sees
+``v3/`` sees all of it. The announcement is a ``PolicyVersion`` (msgpack, field ``p``) on
+``keys.policy``. Publishing is idempotent: after a crash the learner replays its last steps
+and may publish a version again; an existing directory is kept and a version the stream
+already announced is not announced twice.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from streamrl import schema
+from streamrl.bus.keys import Keys
+from streamrl.learner._failpoints import failpoint
+from streamrl.learner.checkpoint import fsync_path
+
+TMP_PREFIX = ".tmp-"
+
+
+def version_dir(policy_dir: Path, version: int) -> Path:
+    return policy_dir / f"v{version}"
+
+
+def write_policy(model: Any, tokenizer: Any, policy_dir: Path, version: int) -> Path:
+    """Write the weights of ``version`` unless they are already on disk."""
+    final = version_dir(policy_dir, version)
+    if final.is_dir():
+        return final
+    policy_dir.mkdir(parents=True, exist_ok=True)
+    tmp = policy_dir / f"{TMP_PREFIX}v{version}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, max_shard_size="1000GB")  # one model.safetensors
+    tokenizer.save_pretrained(tmp)
+    for f in tmp.iterdir():
+        if f.is_file():
+            fsync_path(f)
+    fsync_path(tmp)
+    os.rename(tmp, final)
+    fsync_path(policy_dir)
+    return final
+
+
+def last_announced(r: redis.Redis, keys: Keys) -> int:
+    """The newest version on the policy stream, -1 if none."""
+    rows = r.xrevrange(keys.policy, count=1)
+    if not rows:
+        return -1
+    _id, fields = rows[0]
+    return schema.POLICY_VERSION.decode(fields[b"p"]).version
+
+
+def announce(r: redis.Redis, keys: Keys, version: schema.PolicyVersion) -> bool:
+    """XADD the announcement unless the stream already has this version or a newer one."""
+    if last_announced(r, keys) >= version.version:
+        return False
+    r.xadd(keys.policy, {"p": schema.encode(version)})
+    return True
+
+
+def prune(policy_dir: Path, newest: int, keep: int) -> None:
+    """Delete versions older than the ``keep`` newest, and half-written ones."""
+    if not policy_dir.is_dir():
+        return
+    for p in policy_dir.iterdir():
+        old = p.name.startswith("v") and p.name[1:].isdigit() and int(p.name[1:]) <= newest - keep
+        if old or p.name.startswith(TMP_PREFIX):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def publish(
+    r: redis.Redis,
+    keys: Keys,
+    model: Any,
+    tokenizer: Any,
+    policy_dir: Path,
+    version: int,
+    step: int,
+    lora: bool,
+    keep: int,
+) -> schema.PolicyVersion:
+    path = write_policy(model, tokenizer, policy_dir, version)
+    failpoint("after_policy_write", step)
+    pv = schema.PolicyVersion(
+        version=version,
+        step=step,
+        path=str(path.resolve()),
+        format="lora" if lora else "safetensors",
+        created_at=schema.now(),
+    )
+    announce(r, keys, pv)
+    failpoint("after_announce", step)
+    prune(policy_dir, version, keep)
+    return pv

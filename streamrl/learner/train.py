@@ -1,0 +1,151 @@
+"""One optimizer step on one batch: forward/backward in micro-batches, clip, AdamW, schedule."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from streamrl.learner.batch import Batch
+from streamrl.learner.config import LearnerConfig
+from streamrl.learner.losses import policy_loss, token_logps
+
+
+def sequence_logps(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float
+) -> Tensor:
+    """log π(token t+1 | tokens ≤ t) for every position: (B, L-1)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    return token_logps(logits, input_ids[:, 1:], temperature)
+
+
+@dataclass
+class StepStats:
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    sequences: int
+    reward_mean: float
+
+
+def batch_loss(
+    model: nn.Module,
+    batch: Batch,
+    cfg: LearnerConfig,
+    ref_model: nn.Module | None = None,
+    backward: bool = True,
+) -> float:
+    """The batch's loss (see ``losses.policy_loss``), computed in chunks of
+    ``cfg.micro_batch_size`` sequences whose gradients accumulate into ``.grad``.
+
+    π_old is the model itself, detached (TRL with ``num_iterations=1``): the PPO ratio is 1 in
+    value, and the off-policy correction is the importance weight π_θ/μ against the behaviour
+    log-probs. With ``clip_against="behaviour"`` the ratio is taken against μ instead
+    (PPO-style clipping against the sampler, as PipelineRL does); tokens with unknown μ then
+    fall back to the detached model.
+    """
+    device = next(model.parameters()).device
+    chunks = batch.chunks(cfg.micro_batch_size)
+    total = 0.0
+    for rows in chunks:
+        ids = batch.input_ids[rows].to(device)
+        attn = batch.attention_mask[rows].to(device)
+        mask = batch.mask[rows].to(device)
+        behaviour = batch.behaviour_logps[rows].to(device)
+        logps = sequence_logps(model, ids, attn, cfg.temperature)
+        old = logps.detach()
+        if cfg.clip_against == "behaviour":
+            old = torch.where(torch.isnan(behaviour), old, behaviour)
+        ref = None
+        if cfg.beta != 0.0:
+            if ref_model is None:
+                raise ValueError("beta != 0 needs a reference model")
+            with torch.no_grad():
+                ref = sequence_logps(ref_model, ids, attn, cfg.temperature)
+        loss = policy_loss(
+            logps,
+            old,
+            batch.advantages[rows].to(device),
+            mask,
+            behaviour_logps=behaviour,
+            importance_sampling=cfg.importance_sampling,  # type: ignore[arg-type]
+            importance_sampling_max=cfg.importance_sampling_max,
+            importance_sampling_min=cfg.importance_sampling_min,
+            epsilon_low=cfg.epsilon,
+            epsilon_high=cfg.eps_high,
+            delta=cfg.delta,
+            ref_logps=ref,
+            beta=cfg.beta,
+            kl_bias_correction=cfg.use_bias_correction_kl,
+            loss_type=cfg.loss_type,  # type: ignore[arg-type]
+            max_completion_length=cfg.max_completion_length,
+            num_sequences=batch.num_sequences,
+            num_tokens=float(batch.num_tokens),
+            num_chunks=len(chunks),
+        )
+        if backward:
+            loss.backward()
+        total += float(loss.detach())
+    return total
+
+
+def lr_at(step: int, cfg: LearnerConfig) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup over
+    ``warmup_steps``, then constant, or linear/cosine decay to 0 at ``total_steps``."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant" or cfg.total_steps <= cfg.warmup_steps:
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps))
+    if cfg.lr_schedule == "linear":
+        return cfg.lr * (1.0 - progress)
+    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: nn.Module, cfg: LearnerConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(
+        params,
+        lr=cfg.lr,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+        foreach=False,  # the same kernels on every run: bitwise reproducible on CPU
+    )
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    cfg: LearnerConfig,
+    step: int,
+    ref_model: nn.Module | None = None,
+) -> StepStats:
+    """Zero grads, accumulate the batch's gradient, clip, set the LR for ``step``, update."""
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    loss = batch_loss(model, batch, cfg, ref_model)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if cfg.max_grad_norm > 0:
+        norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm, foreach=False))
+    else:
+        grads = [p.grad.detach().norm() for p in params if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.stack(grads))) if grads else 0.0
+    lr = lr_at(step, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    rewards = batch.rewards
+    return StepStats(
+        loss=loss,
+        grad_norm=norm,
+        lr=lr,
+        tokens=batch.num_tokens,
+        sequences=batch.num_sequences,
+        reward_mean=sum(rewards) / len(rewards) if rewards else 0.0,
+    )
