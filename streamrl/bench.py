@@ -1,0 +1,162 @@
+"""``streamrl bench pipeline``: the whole path (producer -> rq rollout workers -> rq verifier
+workers -> groups) on a private Redis with the scripted policy, timed from the first task
+pushed to the last group written. Prints one JSON object.
+
+CPU is the user+system time of every process involved (this producer, the rq workers and their
+work horses, redis-server) over the timed window, read from /proc.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Callable
+
+import redis
+
+from streamrl.config import PolicyConfig, RolloutConfig, RunConfig, VerifyConfig
+from streamrl.envs import make_env
+from streamrl.pipeline import LocalPipeline, task_ids
+from streamrl.procs import proc_table, tree
+from streamrl.producer import Producer
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu(roots: list[int]) -> float:
+    """CPU seconds used by ``roots`` and all their descendants, living or reaped (a reaped
+    child's time is in its parent's cutime/cstime)."""
+    children, stats = proc_table()
+    return sum(
+        sum(int(x) for x in stats[pid][11:15]) / _TICK  # utime stime cutime cstime
+        for pid in tree(roots, children)
+        if pid in stats
+    )
+
+
+def self_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _commands(r: redis.Redis) -> tuple[int, int]:
+    stats = r.info("commandstats")
+    total = sum(v["calls"] for v in stats.values())
+    scripts = sum(v["calls"] for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
+    return total, scripts
+
+
+def pipeline_bench(
+    tasks: int = 1000,
+    group_size: int = 4,
+    turns: int = 1,
+    rollout_workers: int = 1,
+    verify_workers: int = 1,
+    timeout_s: float = 600.0,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    say = progress or (lambda m: None)
+    cfg = RunConfig(
+        run="bench",
+        env="counter",
+        group_size=group_size,
+        env_options={"steps": turns - 1},
+        policy=PolicyConfig(backend="scripted", wrong_rate=0.25),
+        rollout=RolloutConfig(max_turns=turns + 1, lease_seconds=timeout_s),
+        verify=VerifyConfig(lease_seconds=timeout_s),
+    )
+    with LocalPipeline(cfg) as p:
+        p.start_workers(rollout_workers, verify_workers, seconds=timeout_s)
+        say(f"waiting for {rollout_workers} rollout + {verify_workers} verifier workers")
+        p.wait_ready(rollout_workers, verify_workers)
+        env = make_env("counter", steps=turns - 1)
+        assert p.server is not None and p.server.proc is not None and p.procs is not None
+        roots = [p.server.proc.pid] + [proc.pid for _, proc in p.procs.procs]
+        p.r.config_resetstat()
+        cpu0 = tree_cpu(roots) + self_cpu()
+        t0 = time.perf_counter()
+        Producer(p.r, cfg.run).from_env(env, tasks, group_size, seed=0)
+        say(f"pushed {tasks} prompts x {group_size} samples")
+        p.wait_groups(tasks, timeout=timeout_s)
+        elapsed = time.perf_counter() - t0
+        cpu = tree_cpu(roots) + self_cpu() - cpu0
+        commands, script_calls = _commands(p.r)
+        p.stop()
+        acc = p.account(task_ids("counter", 0, tasks, group_size))
+        n = tasks * group_size
+        return {
+            "tasks": tasks,
+            "group_size": group_size,
+            "turns": turns,
+            "rollout_workers": rollout_workers,
+            "verify_workers": verify_workers,
+            "trajectories": acc.scored,
+            "seconds": round(elapsed, 3),
+            "trajectories_per_s": round(n / elapsed, 1),
+            "groups": acc.groups,
+            "malformed_groups": acc.malformed_groups,
+            "lost": acc.lost,
+            "duplicated": acc.duplicated,
+            "dead_letters": p.r.xlen(p.keys.dead),
+            "cpu_seconds": round(cpu, 3),
+            "cpu_ms_per_trajectory": round(1000 * cpu / n, 3),
+            "redis_commands_per_trajectory": round(commands / n, 2),
+            "lua_calls_per_trajectory": round(script_calls / n, 3),
+            "cpus": os.cpu_count(),
+        }
+
+
+def offpolicy_bench(
+    lag: int = 4,
+    steps: int = 500,
+    seconds: float = 150.0,
+    target: float = 0.9,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Off-policy tolerance on ``copy``: the same training three times, with rollouts from the
+    newest policy, from a policy ``lag`` versions behind with the importance correction on,
+    and the same without it. Every run keeps the same in-flight window (3 learner batches)
+    and accepts staleness up to ``lag + 3``, so no group is dropped for staleness."""
+    from streamrl.demo import train_demo
+
+    say = progress or (lambda m: None)
+    runs = {
+        "on_policy": (0, "token_truncate"),
+        f"lag{lag}_corrected": (lag, "token_truncate"),
+        f"lag{lag}_uncorrected": (lag, "off"),
+    }
+    out: dict = {"lag": lag, "steps": steps, "target": target, "seed": seed, "runs": {}}
+    for name, (run_lag, correction) in runs.items():
+        say(f"{name}: lag {run_lag}, importance sampling {correction}")
+        res = train_demo(
+            seconds=seconds,
+            target=target,
+            live=False,
+            learner_overrides={
+                "importance_sampling": correction,
+                "max_staleness": lag + 3,
+                "sync_every": 1,  # one version per step: the lag is in optimizer steps
+                # the backend loads the version `lag` behind the newest: keep it on disk
+                "keep_policy_versions": lag + 4,
+            },
+            policy_options={"lag_versions": run_lag},
+            max_steps=steps,
+            admission_batches=3,
+            seed=seed,
+            stop_at_target=False,
+        )
+        out["runs"][name] = {
+            k: res[k]
+            for k in (
+                "reward_first",
+                "reward_last",
+                "steps_to_target",
+                "training_seconds_to_target",
+                "learner_steps",
+                "groups_trained",
+            )
+        }
+        say(f"  {out['runs'][name]}")
+    return out

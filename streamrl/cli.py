@@ -1,0 +1,400 @@
+"""The ``streamrl`` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import click
+
+from streamrl import defaults as d
+
+
+class Ctx:
+    def __init__(self, redis_url: str | None, run: str, run_dir: str):
+        self.redis_url = redis_url
+        self.run = run
+        self.run_dir = run_dir
+
+    def url(self) -> str:
+        """A Redis that outlives this command: --redis, STREAMRL_REDIS_URL or `streamrl up`."""
+        from streamrl.connection import resolve_url
+
+        url = resolve_url(self.redis_url, self.run_dir)
+        if url is None:
+            raise click.ClickException(
+                "no Redis to talk to: pass --redis URL, set STREAMRL_REDIS_URL, or start a "
+                "private one in another terminal with `streamrl up`"
+            )
+        return url
+
+    def client(self):
+        import redis
+
+        from streamrl.connection import connect
+
+        url = self.url()
+        r = connect(url)
+        try:
+            r.ping()
+        except redis.RedisError as e:
+            raise click.ClickException(f"cannot reach Redis at {url}: {e}") from None
+        return r
+
+
+pass_ctx = click.make_pass_decorator(Ctx)
+
+
+@click.group()
+@click.option("--redis", "redis_url", envvar="STREAMRL_REDIS_URL", help="Redis URL.")
+@click.option("--run", default=d.DEFAULT_RUN, envvar="STREAMRL_RUN", show_default=True)
+@click.option("--run-dir", default=d.RUN_DIR, show_default=True, help="Private Redis lives here.")
+@click.version_option(package_name="streamrl")
+@click.pass_context
+def main(ctx: click.Context, redis_url: str | None, run: str, run_dir: str) -> None:
+    """streamrl: RL from verifiable rewards as a streaming pipeline on Redis."""
+    from streamrl.log import configure
+
+    configure()
+    ctx.obj = Ctx(redis_url, run, run_dir)
+
+
+@main.command()
+@click.option("--durable", is_flag=True, help="Turn on Redis's append-only file.")
+@pass_ctx
+def up(c: Ctx, durable: bool) -> None:
+    """Start a private redis-server for this directory and keep it running (Ctrl-C stops it).
+
+    Other streamrl commands in this directory find it on their own; rq workers need its URL:
+    `rq worker -u URL -S json srl-rollout`.
+    """
+    from streamrl.embedded import EmbeddedRedis, RedisNotInstalled
+
+    # Installed before the server starts: a `kill` (SIGTERM) at any moment must stop it too.
+    # It runs in its own session, so nothing else would, and Python's default SIGTERM skips
+    # `finally` and atexit; SystemExit runs both.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        server = EmbeddedRedis(c.run_dir, durable=durable).start()
+    except RedisNotInstalled as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"redis-server on {server.url} (dir {c.run_dir}, durable={durable})")
+    click.echo(f"  export STREAMRL_REDIS_URL={server.url} RQ_REDIS_URL={server.url}")
+    try:
+        while server.proc and server.proc.poll() is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+def _parse_options(pairs: tuple[str, ...]) -> dict:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise click.BadParameter(f"expected key=value, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+@main.command()
+@click.option("--env", "env_name", default=None, help="Environment (its generator).")
+@click.option("--dataset", type=click.Path(exists=True, dir_okay=False), help="JSONL rows.")
+@click.option("--count", type=int, default=None, help="Prompts to push from the generator.")
+@click.option("--group-size", type=int, default=None)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--config", "config_path", type=click.Path(exists=True), help="Run config TOML.")
+@click.option("--env-option", "env_opts", multiple=True, help="key=value (JSON values).")
+@click.option("--policy", "backend", default=None, help="Policy backend for the workers.")
+@pass_ctx
+def produce(c, env_name, dataset, count, group_size, seed, config_path, env_opts, backend) -> None:
+    """Push tasks: prompts from an environment's generator, or rows of a JSONL file.
+
+    Also stores the run's config, which the workers read. A restarted producer continues where
+    the last one stopped: prompts are never pushed twice.
+    """
+    from streamrl.bus.keys import Keys
+    from streamrl.bus.streams import ensure_groups
+    from streamrl.config import RunConfig, load_toml
+    from streamrl.envs import make_env
+    from streamrl.envs.registry import UnknownEnvironment
+    from streamrl.producer import BATCH, LearnerAdmission, Producer, admission_limit
+    from streamrl.workers import leases
+    from streamrl.workers.context import write_config
+
+    cfg: RunConfig = load_toml(config_path) if config_path else RunConfig()
+    ctx = click.get_current_context()
+    explicit = ctx.parent is not None and ctx.parent.get_parameter_source("run") not in (
+        click.core.ParameterSource.DEFAULT,
+        None,
+    )
+    if explicit or not config_path:
+        cfg.run = c.run
+    c.run = cfg.run
+    cfg.env = env_name or cfg.env
+    cfg.group_size = group_size or cfg.group_size
+    cfg.env_options = {**cfg.env_options, **_parse_options(env_opts)}
+    if backend:
+        cfg.policy.backend = backend
+    if dataset is None and count is None:
+        raise click.UsageError("give --count N (prompts from --env's generator) or --dataset")
+    try:
+        env = make_env(cfg.env, **cfg.env_options)
+    except UnknownEnvironment as e:
+        raise click.ClickException(str(e)) from None
+    r = c.client()
+    ensure_groups(r, Keys(c.run))
+    r.delete(Keys(c.run).halt)
+    write_config(r, cfg)
+    for q in (d.ROLLOUT_QUEUE, d.VERIFY_QUEUE):
+        leases.top_up(r, q, c.run)
+    # admission control: never more than (max_staleness + 1) learner batches in flight
+    limit = admission_limit(cfg.learner, cfg.group_size)
+    admission = None
+    if limit:
+
+        def waiting(flying: int, limit: int) -> None:
+            click.echo(
+                f"admission control: {flying} samples in flight (limit {limit}); "
+                "waiting for the learner to consume",
+                err=True,
+            )
+
+        admission = LearnerAdmission(r, c.run, cfg.group_size, limit=limit, on_wait=waiting)
+    batch = min(BATCH, limit) if limit else BATCH
+    producer = Producer(r, c.run, admission=admission, batch_samples=batch)
+    if dataset:
+        res = producer.from_jsonl(dataset, cfg.env, cfg.group_size)
+    else:
+        res = producer.from_env(env, count, cfg.group_size, seed=seed, env_spec=cfg.env)
+    click.echo(
+        f"pushed {res.prompts} prompts ({res.samples} samples) from {res.source}; "
+        f"{res.skipped} were already pushed; {len(res.rejected)} rows rejected"
+    )
+    for reason in res.rejected[:20]:
+        click.echo(f"  rejected {reason}", err=True)
+
+
+@main.command()
+@click.argument("role", type=click.Choice(["rollout", "verify"]))
+@click.option("--name", default=None)
+@pass_ctx
+def worker(c: Ctx, role: str, name: str | None) -> None:
+    """Run one rq worker for ROLE (same as `rq worker -u URL -S json srl-ROLE`)."""
+    from streamrl.bus.keys import Keys
+    from streamrl.bus.streams import ensure_groups
+    from streamrl.procs import rq_worker_cmd
+    from streamrl.workers import leases
+
+    url = c.url()
+    queue = d.ROLLOUT_QUEUE if role == "rollout" else d.VERIFY_QUEUE
+    r = c.client()
+    ensure_groups(r, Keys(c.run))
+    leases.top_up(r, queue, c.run)
+    cmd = rq_worker_cmd(url, queue, name, quiet=False)
+    os.execv(cmd[0], cmd)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@pass_ctx
+def status(c: Ctx, as_json: bool) -> None:
+    """Stream lengths, lag and pending per stage, dead letters, workers, groups, policy."""
+    from streamrl.status import collect
+    from streamrl.views import status_table
+
+    info = collect(c.client(), c.run)
+    if as_json:
+        click.echo(json.dumps(info))
+    else:
+        from rich.console import Console
+
+        Console().print(status_table(info))
+
+
+@main.command()
+@click.option("--interval", default=1.0, show_default=True)
+@pass_ctx
+def watch(c: Ctx, interval: float) -> None:
+    """Live view: rewards as they are scored, throughput, lag (Ctrl-C to stop)."""
+    from streamrl.views import watch_live
+
+    watch_live(c.client(), c.run, interval)
+
+
+@main.command()
+@click.option("--limit", default=20, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@pass_ctx
+def dead(c: Ctx, limit: int, as_json: bool) -> None:
+    """The newest dead letters, with the reason each entry left its stage."""
+    from streamrl import schema
+    from streamrl.bus.keys import Keys
+
+    rows = c.client().xrevrange(Keys(c.run).dead, count=limit)
+    for eid, fields in rows:
+        dl = schema.DEAD_LETTER.decode(fields[b"p"])
+        rec = {"id": eid.decode(), "stage": dl.stage, "task_id": dl.task_id, "reason": dl.reason}
+        rec["deliveries"] = dl.deliveries
+        if as_json:
+            click.echo(json.dumps(rec))
+        else:
+            click.echo(f"{rec['id']}  {dl.stage:<8} {dl.task_id:<28} {dl.reason}")
+
+
+@main.command()
+@pass_ctx
+def trim(c: Ctx) -> None:
+    """Trim every stream of the run behind its slowest consumer group and retention window."""
+    from streamrl.bus.trim import trim_run
+
+    for stream, n in trim_run(c.client(), c.run).items():
+        click.echo(f"{stream}: {n} entries trimmed")
+
+
+@main.command()
+@click.argument("stage", type=click.Choice(["rollout", "verify", "learner"]))
+@click.option("--from", "offset", default="0", show_default=True, help="Stream offset (ID).")
+@pass_ctx
+def replay(c: Ctx, stage: str, offset: str) -> None:
+    """Re-deliver a stage's input stream from an offset (moves its consumer group there)."""
+    from streamrl.bus.keys import Keys
+
+    k = Keys(c.run)
+    stream, group = {
+        "rollout": (k.tasks, d.ROLLOUT_GROUP),
+        "verify": (k.rollouts, d.VERIFY_GROUP),
+        "learner": (k.groups, d.LEARNER_GROUP),
+    }[stage]
+    c.client().xgroup_setid(stream, group, offset)
+    click.echo(f"{group} will re-read {stream} after {offset}")
+
+
+@main.command()
+@click.option("--from", "start", default="-", help="First groups-stream ID to re-verify.")
+@click.option("--limit", type=int, default=None, help="At most this many samples.")
+@click.option("--env-option", "env_opts", multiple=True, help="key=value (JSON values).")
+@pass_ctx
+def reverify(c: Ctx, start: str, limit: int | None, env_opts: tuple[str, ...]) -> None:
+    """Re-score stored trajectories with today's verifiers and print the drift as JSON."""
+    from streamrl.verifiers.drift import drift_report
+
+    report = drift_report(c.client(), c.run, start, limit, env_options=_parse_options(env_opts))
+    click.echo(json.dumps(report, indent=2))
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks that print JSON."""
+
+
+@bench.command("pipeline")
+@click.option("--tasks", default=1000, show_default=True, help="Prompts.")
+@click.option("--group-size", default=4, show_default=True)
+@click.option("--turns", default=1, show_default=True, help="Model turns (T-1 tool calls).")
+@click.option("--rollout-workers", default=1, show_default=True)
+@click.option("--verify-workers", default=1, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench_pipeline(tasks, group_size, turns, rollout_workers, verify_workers, as_json) -> None:
+    """The whole path on a private Redis with the scripted policy and real rq workers."""
+    from streamrl.bench import pipeline_bench
+
+    res = pipeline_bench(
+        tasks=tasks,
+        group_size=group_size,
+        turns=turns,
+        rollout_workers=rollout_workers,
+        verify_workers=verify_workers,
+        progress=None if as_json else lambda m: click.echo(m, err=True),
+    )
+    click.echo(json.dumps(res) if as_json else json.dumps(res, indent=2))
+    if res["lost"] or res["duplicated"]:
+        sys.exit(1)
+
+
+@bench.command("offpolicy")
+@click.option("--lag", default=4, show_default=True, help="Policy versions rollouts lag by.")
+@click.option("--steps", default=500, show_default=True, help="Learner steps per run.")
+@click.option("--seconds", default=150.0, show_default=True, help="Time limit per run.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench_offpolicy(lag: int, steps: int, seconds: float, seed: int, as_json: bool) -> None:
+    """Train `copy` on-policy, `lag` versions behind with and without importance correction."""
+    from streamrl.bench import offpolicy_bench
+
+    res = offpolicy_bench(
+        lag=lag,
+        steps=steps,
+        seconds=seconds,
+        seed=seed,
+        progress=None if as_json else lambda m: click.echo(m, err=True),
+    )
+    click.echo(json.dumps(res) if as_json else json.dumps(res, indent=2))
+
+
+@main.command()
+@click.option("--seconds", default=300.0, show_default=True, help="Stop after this long.")
+@click.option("--target", default=0.9, show_default=True, help="Stop at this mean reward.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary as the last line.")
+def demo(seconds: float, target: float, as_json: bool) -> None:
+    """Train a tiny model on `copy` through the whole pipeline, on a private Redis, live."""
+    from streamrl.demo import train_demo
+
+    res = train_demo(seconds=seconds, target=target, live=not as_json)
+    click.echo(json.dumps(res) if as_json else json.dumps(res, indent=2))
+
+
+_LEARN_HELP = "Train: read scored groups, take GRPO steps, publish policy versions."
+
+
+class LazyCommand(click.Command):
+    """A command whose module (and torch) is imported only when it runs or shows its help."""
+
+    def __init__(self, target: str, name: str, short_help: str):
+        super().__init__(name, short_help=short_help, help=short_help)
+        self.target = target
+        self._real: click.Command | None = None
+
+    def real(self) -> click.Command:
+        if self._real is None:
+            import importlib
+
+            module, _, attr = self.target.partition(":")
+            self._real = getattr(importlib.import_module(module), attr)
+        return self._real
+
+    def main(self, *args, **kwargs):  # type: ignore[override]
+        return self.real().main(*args, **kwargs)
+
+    def make_context(self, info_name, args, parent=None, **extra):  # type: ignore[override]
+        return self.real().make_context(info_name, args, parent=parent, **extra)
+
+    def invoke(self, ctx):  # type: ignore[override]
+        return self.real().invoke(ctx)
+
+    def get_params(self, ctx):  # type: ignore[override]
+        return self.real().get_params(ctx)
+
+
+def _register_optional() -> None:
+    """Commands that live next to what they drive."""
+    from streamrl.audit import audit_command
+    from streamrl.verifiers.sandbox import sandbox_group
+
+    main.add_command(audit_command, "audit")
+    main.add_command(LazyCommand("streamrl.learner.loop:learn_command", "learn", _LEARN_HELP))
+    main.add_command(sandbox_group, "sandbox")
+
+
+_register_optional()
+
+if __name__ == "__main__":
+    main()

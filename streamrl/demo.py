@@ -1,0 +1,282 @@
+"""``streamrl demo``: one command, nothing running beforehand.
+
+It trains the tiny model (``streamrl.models.tiny``) on the ``copy`` task through the whole
+pipeline: a private Redis, a producer held back by admission control, two rollout workers on
+the ``hf`` backend and a verifier as real ``rq worker`` processes, and the learner as its own
+process, publishing a new policy version after every step while generation goes on. The live
+view shows reward by policy version, throughput and lag; it stops at ``--seconds`` or when the
+reward target is reached, and shuts everything down (Ctrl-C included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+from rich.console import Console
+from rich.console import Group as RichGroup
+from rich.live import Live
+from rich.table import Table
+
+from streamrl.config import PolicyConfig, RolloutConfig, RunConfig
+from streamrl.envs import make_env
+from streamrl.pipeline import LocalPipeline
+from streamrl.producer import LearnerAdmission, Producer, admission_limit
+from streamrl.status import collect
+from streamrl.views import RewardFeed, status_table
+
+RUN = "demo"
+GROUP_SIZE = 8
+
+# The learner's settings, written into the run's TOML (a config you can reuse with
+# `streamrl learn --config`).
+LEARNER = {
+    "device": "cpu",
+    "torch_threads": 1,
+    "seed": 0,
+    "batch_groups": 8,
+    "max_staleness": 2,
+    "loss_type": "dapo",
+    "scale_rewards": "group",
+    "epsilon": 0.2,
+    "epsilon_high": 0.28,
+    "importance_sampling": "token_truncate",
+    "importance_sampling_max": 2.0,
+    "temperature": 1.0,
+    "max_completion_length": 4,
+    "lr": 5e-4,
+    "warmup_steps": 5,
+    "max_grad_norm": 1.0,
+    "checkpoint_every": 50,
+    "sync_every": 2,
+    "keep_policy_versions": 3,
+}
+
+
+def _toml(run: RunConfig, learner: dict) -> str:
+    def val(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return f'"{v}"'
+        return repr(v)
+
+    lines = [f'run = "{run.run}"', f'env = "{run.env}"', f"group_size = {run.group_size}", ""]
+    lines.append("[policy]")
+    p = run.policy
+    lines += [f'backend = "{p.backend}"', f'model = "{p.model}"']
+    lines += [f"temperature = {p.temperature}", f"max_new_tokens = {p.max_new_tokens}", ""]
+    lines.append("[learner]")
+    lines += [f"{k} = {val(v)}" for k, v in learner.items()]
+    return "\n".join(lines) + "\n"
+
+
+class Stopped(Exception):
+    pass
+
+
+def train_demo(
+    seconds: float = 300.0,
+    target: float | None = 0.9,
+    live: bool = True,
+    directory: str | Path | None = None,
+    window: int = 512,
+    learner_overrides: dict | None = None,
+    policy_options: dict | None = None,
+    max_steps: int | None = None,
+    admission_batches: int | None = None,
+    seed: int = 0,
+    stop_at_target: bool = True,
+) -> dict:
+    """Returns the JSON summary. ``target=None`` trains until ``seconds`` or ``max_steps``
+    learner steps; ``admission_batches`` fixes the in-flight window (in learner batches)
+    instead of the learner's ``max_staleness + 1``."""
+    from streamrl.models.tiny import save_tiny
+
+    console = Console(stderr=True)
+    started = time.monotonic()
+    with LocalPipeline(_config(""), directory=directory) as p:
+        model_dir = save_tiny(p.dir / "model")
+        cfg = _config(str(model_dir))
+        cfg.policy.options.update({"seed": seed, **(policy_options or {})})
+        learner = {"model": str(model_dir), "output_dir": str(p.dir / "learner"), **LEARNER}
+        learner["seed"] = seed
+        learner.update(learner_overrides or {})
+        from streamrl.workers.context import write_config
+
+        cfg.learner = learner
+        write_config(p.r, cfg)
+        config_path = p.dir / "demo.toml"
+        config_path.write_text(_toml(cfg, learner))
+        console.print(
+            f"[bold]streamrl demo[/]: tiny Llama learning `copy` - Redis {p.url}, "
+            f"config {config_path}, logs {p.dir}/logs"
+        )
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        p.procs.env = env  # type: ignore[union-attr]
+        p.start_workers(rollout=2, verify=1)
+        learner_log = open(p.dir / "logs" / "learner.log", "ab")  # noqa: SIM115
+        learner_proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "streamrl.cli",
+                "learn",
+                "--config",
+                str(config_path),
+                "--redis",
+                p.url,
+                "--run",
+                RUN,
+            ],
+            stdout=learner_log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        stop = threading.Event()
+        batch = learner["batch_groups"] * GROUP_SIZE
+        if admission_batches is not None:
+            limit = admission_batches * batch
+        else:
+            limit = admission_limit(learner, GROUP_SIZE)
+        admission = LearnerAdmission(
+            p.r, RUN, GROUP_SIZE, limit=limit, override=admission_batches is not None
+        )
+
+        def admit(n: int) -> None:
+            if stop.is_set():
+                raise Stopped
+            admission(n)
+
+        def produce() -> None:
+            with contextlib.suppress(Stopped):
+                # one learner batch per push, so admission can keep the pipe full
+                Producer(p.r, RUN, admission=admit, batch_samples=batch).from_env(
+                    make_env("copy"), 10**7, GROUP_SIZE, seed=seed
+                )
+
+        threading.Thread(target=produce, daemon=True).start()
+        feed = RewardFeed(p.r, RUN, start="0-0")
+        recent: deque[float] = deque(maxlen=window)
+        first: list[float] = []
+        reached = None
+        first_step_at = None  # training time is measured from the learner's first step
+        reached_step = None
+        drawn = 0.0
+        try:
+            with Live(console=console, refresh_per_second=4, transient=not live) as view:
+                while time.monotonic() - started < seconds:
+                    for r_ in feed.poll():
+                        recent.append(r_)
+                        if len(first) < window:
+                            first.append(r_)
+                    step = int(p.r.hget(p.keys.learner, "step") or 0)
+                    if first_step_at is None and step >= 1:
+                        first_step_at = time.monotonic() - started
+                    if max_steps is not None and step >= max_steps:
+                        break
+                    if learner_proc.poll() is not None:
+                        raise RuntimeError(f"the learner exited; see {p.dir}/logs/learner.log")
+                    if live and time.monotonic() - drawn >= 1.0:
+                        # the full status (rq workers, stream info) costs Redis round trips
+                        # and CPU that training needs: once a second is plenty for a person
+                        drawn = time.monotonic()
+                        view.update(_frame(feed, collect(p.r, RUN), started, recent))
+                    full = len(recent) == window
+                    at_target = target is not None and full and sum(recent) / window >= target
+                    if at_target and reached is None:
+                        reached = time.monotonic() - started
+                        reached_step = step
+                    if at_target and stop_at_target:
+                        break
+                    time.sleep(0.25)
+        except KeyboardInterrupt:
+            console.print("interrupted: shutting down")
+        finally:
+            stop.set()
+            cpu = _cpu_by_role(p, learner_proc)
+            learner_proc.send_signal(signal.SIGTERM)  # it finishes its step and checkpoints
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                learner_proc.wait(timeout=30)
+            if learner_proc.poll() is None:
+                learner_proc.kill()
+            p.stop()
+        info = collect(p.r, RUN)["learner"]
+        return {
+            "reward_first": _mean(first),
+            "reward_last": _mean(list(recent)),
+            "groups_trained": info.get("groups_applied", 0),
+            "policy_version": info.get("policy_version", 0),
+            "learner_steps": info.get("step", 0),
+            "samples_scored": feed_count(feed),
+            "newest_rollout_version": max(feed.by_version, default=0),
+            "seconds": round(time.monotonic() - started, 2),
+            "seconds_to_target": round(reached, 2) if reached is not None else None,
+            "steps_to_target": reached_step,
+            "startup_seconds": round(first_step_at, 2) if first_step_at is not None else None,
+            "training_seconds_to_target": (
+                round(reached - first_step_at, 2)
+                if reached is not None and first_step_at is not None
+                else None
+            ),
+            "target": target,
+            "cpu_seconds": cpu,
+        }
+
+
+def feed_count(feed: RewardFeed) -> int:
+    return sum(len(v) for v in feed.by_version.values())
+
+
+def _config(model_dir: str) -> RunConfig:
+    return RunConfig(
+        run=RUN,
+        env="copy",
+        group_size=GROUP_SIZE,
+        policy=PolicyConfig(
+            backend="hf",
+            model=model_dir,
+            temperature=1.0,
+            max_new_tokens=4,
+            options={"max_batch": 256, "reload_check_s": 0.1},
+        ),
+        rollout=RolloutConfig(max_concurrent=256, read_batch=128, lease_seconds=600),
+    )
+
+
+def _mean(xs: list[float]) -> float | None:
+    return round(sum(xs) / len(xs), 4) if xs else None
+
+
+def _frame(feed: RewardFeed, info: dict, started: float, recent: deque) -> RichGroup:
+    elapsed = time.monotonic() - started
+    ln = info.get("learner", {})
+    t = Table.grid(padding=(0, 2))
+    t.add_row("elapsed", f"{elapsed:.1f} s", "samples/s", f"{feed_count(feed) / elapsed:.0f}")
+    t.add_row(
+        "learner step",
+        str(ln.get("step", 0)),
+        f"reward (last {len(recent)})",
+        f"{(sum(recent) / len(recent)) if recent else 0:.3f}",
+    )
+    return RichGroup(t, feed.table(), status_table(info))
+
+
+def _cpu_by_role(p: LocalPipeline, learner: subprocess.Popen) -> dict[str, float]:
+    """CPU seconds each part of the demo used so far (from /proc), to see what limits it."""
+    from streamrl.bench import self_cpu, tree_cpu
+
+    out: dict[str, float] = {"learner": tree_cpu([learner.pid]), "driver": self_cpu()}
+    for name, proc in p.procs.procs if p.procs else []:
+        role = "rollout" if "rollout" in name else "verify"
+        out[role] = out.get(role, 0.0) + tree_cpu([proc.pid])
+    if p.server is not None and p.server.proc is not None:
+        out["redis"] = tree_cpu([p.server.proc.pid])
+    return {k: round(v, 2) for k, v in out.items()}

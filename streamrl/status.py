@@ -1,0 +1,82 @@
+"""What ``streamrl status`` shows: per stage the stream length, consumer-group lag and pending
+count, dead letters, rq workers per queue, groups completed, the policy version and the
+learner's progress."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from streamrl import schema
+from streamrl.bus.keys import Keys
+from streamrl.bus.streams import stage_groups
+from streamrl.defaults import ROLLOUT_QUEUE, VERIFY_QUEUE
+
+
+def _s(v: Any) -> Any:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _num(v: Any) -> Any:
+    v = _s(v)
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            return v
+
+
+def stream_info(r: redis.Redis, stream: str) -> dict[str, Any]:
+    info: dict[str, Any] = {"length": r.xlen(stream), "groups": {}}
+    try:
+        groups = r.xinfo_groups(stream)
+    except redis.ResponseError:
+        groups = []
+    for g in groups:
+        info["groups"][_s(g["name"])] = {
+            "lag": g.get("lag"),
+            "pending": g.get("pending"),
+            "consumers": g.get("consumers"),
+            "last_delivered": _s(g.get("last-delivered-id")),
+        }
+    return info
+
+
+def collect(r: redis.Redis, run: str) -> dict[str, Any]:
+    from streamrl.workers import leases
+
+    keys = Keys(run)
+    stats = {_s(k): _num(v) for k, v in r.hgetall(keys.stats).items()}
+    learner = {_s(k): _num(v) for k, v in r.hgetall(keys.learner).items()}
+    stages = {}
+    for stream, _group in stage_groups(keys):
+        stages[stream.rsplit(":", 1)[1]] = stream_info(r, stream)
+    policy_version = None
+    last = r.xrevrange(keys.policy, count=1)
+    if last:
+        policy_version = schema.POLICY_VERSION.decode(last[0][1][b"p"]).version
+    workers = {}
+    for q in (ROLLOUT_QUEUE, VERIFY_QUEUE):
+        ws = leases.workers(r, q)
+        workers[q] = {
+            "workers": len(ws),
+            "busy": sum(1 for w in ws if _s(w.get_state()) == "busy"),
+            "queued_leases": leases.queue(r, q).count,
+            **leases.failures(r, q),
+        }
+    return {
+        "run": run,
+        "stages": stages,
+        "scored": r.xlen(keys.scored),
+        "dead_letters": r.xlen(keys.dead),
+        "groups_completed": stats.get("groups_completed", 0),
+        "groups_dropped": stats.get("groups_dropped", 0),
+        "trajectories": stats.get("trajectories", 0),
+        "duplicates_ignored": stats.get("duplicates_ignored", 0),
+        "policy_version": policy_version,
+        "rq": workers,
+        "learner": learner,
+    }

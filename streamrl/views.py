@@ -1,0 +1,108 @@
+"""Terminal views (rich): the status table and the live reward feed."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+import redis
+from rich.console import Group as RichGroup
+from rich.live import Live
+from rich.table import Table
+
+from streamrl import schema
+from streamrl.bus.keys import Keys
+
+
+def status_table(info: dict[str, Any]) -> Table:
+    t = Table(title=f"streamrl run {info['run']!r}")
+    for col in ("stage", "stream length", "group", "lag", "pending", "consumers"):
+        t.add_column(col)
+    for stage, s in info["stages"].items():
+        for gname, g in s["groups"].items() or {"-": {}}.items():
+            t.add_row(
+                stage,
+                str(s["length"]),
+                gname,
+                str(g.get("lag")),
+                str(g.get("pending")),
+                str(g.get("consumers")),
+            )
+    foot = Table.grid(padding=(0, 2))
+    foot.add_row("trajectories", str(info["trajectories"]), "scored", str(info["scored"]))
+    foot.add_row(
+        "groups completed",
+        str(info["groups_completed"]),
+        "groups dropped",
+        str(info["groups_dropped"]),
+    )
+    foot.add_row("dead letters", str(info["dead_letters"]), "policy", str(info["policy_version"]))
+    for q, w in info["rq"].items():
+        foot.add_row(
+            q, f"{w['workers']} workers ({w['busy']} busy)", "queued", str(w["queued_leases"])
+        )
+    if info.get("learner"):
+        ln = info["learner"]
+        foot.add_row(
+            "learner step", str(ln.get("step")), "groups applied", str(ln.get("groups_applied"))
+        )
+    return RichGroup(t, foot)  # type: ignore[return-value]
+
+
+class RewardFeed:
+    """Reads the ``scored`` stream from where it was, and keeps per-policy-version means."""
+
+    def __init__(self, r: redis.Redis, run: str, start: str = "$"):
+        self.r = r
+        self.key = Keys(run).scored
+        self.last = start if start != "$" else (self._last_id() or "0-0")
+        self.by_version: dict[int, list[float]] = {}
+        self.failures = 0
+        self.recent: deque[tuple[float, float]] = deque(maxlen=4096)  # (time, reward)
+
+    def _last_id(self) -> str | None:
+        row = self.r.xrevrange(self.key, count=1)
+        return row[0][0].decode() if row else None
+
+    def poll(self) -> list[float]:
+        """Read what was scored since the last poll; returns the new rewards in order."""
+        new: list[float] = []
+        while True:
+            rows = self.r.xrange(self.key, min=f"({self.last}", count=2000)
+            if not rows:
+                return new
+            for eid, fields in rows:
+                self.last = eid.decode()
+                score = schema.SCORE.decode(fields[b"p"])
+                if score.reward is None:
+                    self.failures += 1
+                    continue
+                new.append(score.reward)
+                v = max(score.policy_versions) if score.policy_versions else 0
+                self.by_version.setdefault(v, []).append(score.reward)
+                self.recent.append((time.time(), score.reward))
+
+    def table(self, last: int = 8) -> Table:
+        t = Table(title="reward by policy version")
+        t.add_column("version")
+        t.add_column("samples")
+        t.add_column("mean reward")
+        for v in sorted(self.by_version)[-last:]:
+            rs = self.by_version[v]
+            t.add_row(str(v), str(len(rs)), f"{sum(rs) / len(rs):.3f}")
+        return t
+
+
+def watch_live(r: redis.Redis, run: str, interval: float = 1.0) -> None:
+    from streamrl.status import collect
+
+    feed = RewardFeed(r, run, start="0-0")
+    try:
+        with Live(refresh_per_second=4) as live:
+            while True:
+                feed.poll()
+                live.update(RichGroup(feed.table(), status_table(collect(r, run))))
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
