@@ -102,12 +102,13 @@ def test_heartbeat_keeps_entries_and_reports_lost_ones(r, k, sc):
     ensure_groups(r, k)
     _push(r, k, [_task(0), _task(1)])
     a, b = _read(r, k, "A")
-    time.sleep(0.05)
+    time.sleep(0.4)
     lost = sc.heartbeat(keys=[k.tasks], args=heartbeat_args(ROLLOUT_GROUP, "A", [a, b]))
     assert lost == []
-    # the heartbeat reset idle time: a claim for entries idle >= 40 ms finds nothing
+    # the heartbeat reset idle time: a claim for entries idle >= 300 ms finds nothing
+    # (wide margins so a loaded CI machine cannot let 300 ms pass between the two calls)
     _, claimed = parse_claim(
-        sc.claim(keys=[k.tasks], args=claim_args(ROLLOUT_GROUP, "B", 40, 10, "0-0", False, ""))
+        sc.claim(keys=[k.tasks], args=claim_args(ROLLOUT_GROUP, "B", 300, 10, "0-0", False, ""))
     )
     assert claimed == []
     time.sleep(0.05)
