@@ -31,10 +31,12 @@ class Ctx:
             )
         return url
 
-    def client(self):
+    def client(self, resilient: bool = False):
+        """A client for this command. Long-lived roles (``produce``) pass ``resilient`` to
+        ride out a Redis restart; the first ping still fails fast on a wrong URL."""
         import redis
 
-        from streamrl.connection import connect
+        from streamrl.connection import connect, make_resilient
 
         url = self.url()
         r = connect(url)
@@ -42,7 +44,7 @@ class Ctx:
             r.ping()
         except redis.RedisError as e:
             raise click.ClickException(f"cannot reach Redis at {url}: {e}") from None
-        return r
+        return make_resilient(r) if resilient else r
 
 
 pass_ctx = click.make_pass_decorator(Ctx)
@@ -150,7 +152,7 @@ def produce(c, env_name, dataset, count, group_size, seed, config_path, env_opts
         env = make_env(cfg.env, **cfg.env_options)
     except UnknownEnvironment as e:
         raise click.ClickException(str(e)) from None
-    r = c.client()
+    r = c.client(resilient=True)
     ensure_groups(r, Keys(c.run))
     r.delete(Keys(c.run).halt)
     write_config(r, cfg)
@@ -188,7 +190,8 @@ def produce(c, env_name, dataset, count, group_size, seed, config_path, env_opts
 @click.option("--name", default=None)
 @pass_ctx
 def worker(c: Ctx, role: str, name: str | None) -> None:
-    """Run one rq worker for ROLE (same as `rq worker -u URL -S json srl-ROLE`)."""
+    """Run one rq worker for ROLE (same as
+    `rq worker -u URL -w streamrl.workers.LeaseWorker -S json srl-ROLE`)."""
     from streamrl.bus.keys import Keys
     from streamrl.bus.streams import ensure_groups
     from streamrl.procs import rq_worker_cmd

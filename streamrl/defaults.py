@@ -69,3 +69,22 @@ SANDBOX_MAX_OUTPUT_BYTES = 64 * 1024
 SANDBOX_UID_BASE = 0x30000
 SANDBOX_UID_COUNT = 0x10000
 SANDBOX_PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+
+# Self-healing. Every run that has a config is listed in RUNS_KEY, so an idle LeaseWorker can
+# tell which runs need a lease on its queues; it looks every IDLE_CHECK_S. A busy worker's rq
+# main process heartbeats every WORKER_HEARTBEAT_S; a worker whose last heartbeat is older than
+# WORKER_LIVE_S is dead to `status`. A worker whose leases keep failing waits up to
+# LEASE_FAILURE_BACKOFF_MAX_S before it queues another one.
+RUNS_KEY = f"{KEY_PREFIX}:runs"
+IDLE_CHECK_S = 2
+WORKER_HEARTBEAT_S = 5
+WORKER_TTL_S = 30
+WORKER_LIVE_S = 20.0
+LEASE_FAILURE_BACKOFF_MAX_S = 30.0
+
+# Reconnecting after Redis restarts: long-lived roles retry every command with exponential
+# backoff (RECONNECT_BASE_S doubling up to RECONNECT_CAP_S) for about RECONNECT_RETRIES tries,
+# which rides out a restart of a couple of minutes.
+RECONNECT_BASE_S = 0.05
+RECONNECT_CAP_S = 1.0
+RECONNECT_RETRIES = 150

@@ -11,9 +11,13 @@ import time
 import uuid
 from pathlib import Path
 
+WORKER_CLASS = "streamrl.workers.LeaseWorker"
+
 
 def rq_worker_cmd(url: str, queue: str, name: str | None = None, quiet: bool = True) -> list[str]:
-    cmd = [sys.executable, "-m", "rq.cli", "worker", "-u", url, "-S", "json", queue]
+    """Plain ``rq worker`` with streamrl's worker class (self-healing, JSON serializer)."""
+    cmd = [sys.executable, "-m", "rq.cli", "worker", "-u", url, "-w", WORKER_CLASS, "-S", "json"]
+    cmd.append(queue)
     if name:
         cmd += ["--name", name]
     if quiet:

@@ -58,15 +58,7 @@ def collect(r: redis.Redis, run: str) -> dict[str, Any]:
     last = r.xrevrange(keys.policy, count=1)
     if last:
         policy_version = schema.POLICY_VERSION.decode(last[0][1][b"p"]).version
-    workers = {}
-    for q in (ROLLOUT_QUEUE, VERIFY_QUEUE):
-        ws = leases.workers(r, q)
-        workers[q] = {
-            "workers": len(ws),
-            "busy": sum(1 for w in ws if _s(w.get_state()) == "busy"),
-            "queued_leases": leases.queue(r, q).count,
-            **leases.failures(r, q),
-        }
+    workers = {q: leases.queue_health(r, q) for q in (ROLLOUT_QUEUE, VERIFY_QUEUE)}
     return {
         "run": run,
         "stages": stages,

@@ -37,8 +37,8 @@ import torch
 from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.bus.streams import ensure_groups
-from streamrl.connection import resolve_url
-from streamrl.defaults import DEFAULT_RUN, LEARNER_GROUP, SOCKET_TIMEOUT_S
+from streamrl.connection import connect, resolve_url
+from streamrl.defaults import DEFAULT_RUN, LEARNER_GROUP
 from streamrl.learner import publish
 from streamrl.learner._failpoints import failpoint
 from streamrl.learner.batch import has_tokens, is_zero_variance, make_batch, staleness
@@ -234,12 +234,6 @@ class Learner:
         return bool(self.cfg.total_steps) and self.state.step >= self.cfg.total_steps
 
 
-def connect(url: str) -> redis.Redis:
-    # BLOCK stays ≤ block_ms (≤ 5 s); the socket timeout is well above it, so redis-py never
-    # cuts a blocking read and silently re-sends it.
-    return redis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=5)
-
-
 def _stop_on_signals(stop: threading.Event) -> None:
     if threading.current_thread() is not threading.main_thread():
         return
@@ -266,7 +260,7 @@ def run_learner(
     structlog.contextvars.bind_contextvars(run=run, role="learner")
     seed_everything(cfg.seed)
     out = cfg.out_dir(run)
-    r = connect(url)
+    r = connect(url, resilient=True)
     keys = Keys(run)
     ensure_groups(r, keys)
 

@@ -341,7 +341,7 @@ class HFPolicy(Policy):
         if self._redis is None:
             from streamrl.connection import connect_async
 
-            self._redis = connect_async(self._redis_url)
+            self._redis = connect_async(self._redis_url, resilient=True)
         return await latest_version(self._redis, self.keys, lag=self.lag_versions)
 
     def _load(self, pv: PolicyVersion) -> None:

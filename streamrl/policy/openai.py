@@ -392,7 +392,7 @@ class OpenAIPolicy(Policy):
         if self._redis is None:
             from streamrl.connection import connect_async
 
-            self._redis = connect_async(self._redis_url)
+            self._redis = connect_async(self._redis_url, resilient=True)
         served = await self._read_served()
         if self.sync != "none":
             latest = await latest_version(self._redis, self.keys)

@@ -11,7 +11,8 @@ import redis.asyncio
 
 from streamrl.bus.keys import Keys
 from streamrl.config import RUN_CONFIG, RunConfig
-from streamrl.defaults import SOCKET_TIMEOUT_S
+from streamrl.connection import async_retry
+from streamrl.defaults import RUNS_KEY, SOCKET_TIMEOUT_S
 
 _CONN_FIELDS = ("host", "port", "db", "username", "password", "path", "ssl")
 
@@ -40,13 +41,16 @@ def current_connection() -> redis.Redis:
 
 
 def async_twin(conn: redis.Redis) -> redis.asyncio.Redis:
-    """An asyncio client to the same server as a sync one (rq hands jobs a sync client)."""
+    """An asyncio client to the same server as a sync one (rq hands jobs a sync client),
+    reconnecting with backoff like the rq worker's own client."""
     kw: dict[str, Any] = {
         k: v for k, v in conn.connection_pool.connection_kwargs.items() if k in _CONN_FIELDS
     }
     if "path" in kw:
         kw["unix_socket_path"] = kw.pop("path")
-    return redis.asyncio.Redis(**kw, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=5)
+    return redis.asyncio.Redis(
+        **kw, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=5, retry=async_retry()
+    )
 
 
 def url_of(conn: redis.Redis) -> str:
@@ -68,6 +72,10 @@ def read_config(raw: bytes | None) -> RunConfig | None:
 
 
 def write_config(r: redis.Redis, config: RunConfig) -> None:
+    """Store the run's config and list the run, so idle LeaseWorkers keep leases for it."""
     import msgspec
 
-    r.set(Keys(config.run).config, msgspec.msgpack.encode(config))
+    pipe = r.pipeline(transaction=True)
+    pipe.set(Keys(config.run).config, msgspec.msgpack.encode(config))
+    pipe.sadd(RUNS_KEY, config.run)
+    pipe.execute()

@@ -9,7 +9,9 @@ from Redis is unpickled either.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from datetime import UTC
 
 import redis
 from rq import Queue
@@ -17,7 +19,12 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
-from streamrl.defaults import LEASE_DRAIN_SECONDS, LEASE_JOB_TIMEOUT_GRACE, LEASE_SECONDS
+from streamrl.defaults import (
+    LEASE_DRAIN_SECONDS,
+    LEASE_JOB_TIMEOUT_GRACE,
+    LEASE_SECONDS,
+    WORKER_LIVE_S,
+)
 
 ROLES = {
     "srl-rollout": "streamrl.workers.rollout.lease",
@@ -49,7 +56,7 @@ def top_up(
     waiting: int = 1,
     seconds: float | None = None,
     at_most_every_s: float = 0.0,
-) -> None:
+) -> int:
     """Keep ``waiting`` lease jobs queued. Two leases racing here may both enqueue; a spare
     lease only means a worker picks it up a little early, so no lock is taken.
     ``at_most_every_s`` rate-limits a lease that tops up as it starts, so a lease that keeps
@@ -57,15 +64,47 @@ def top_up(
     if at_most_every_s > 0:
         gate = f"srl:{{{run}}}:topup:{name}"
         if not r.set(gate, 1, nx=True, px=int(at_most_every_s * 1000)):
-            return
+            return 0
     q = queue(r, name)
     queued = sum(1 for job in q.get_jobs() if job.args and job.args[0] == run)
-    for _ in range(max(0, waiting - queued)):
+    missing = max(0, waiting - queued)
+    for _ in range(missing):
         enqueue(r, name, run, seconds)
+    return missing
 
 
 def workers(r: redis.Redis, name: str) -> list[Worker]:
+    """Every worker rq has registered on the queue, dead ones included (see ``live``)."""
     return Worker.all(queue=queue(r, name))
+
+
+def is_live(worker: Worker, now: float | None = None) -> bool:
+    """Alive by rq's heartbeat: a SIGKILLed worker stays registered until its key expires,
+    but stops heartbeating at once."""
+    beat = worker.last_heartbeat
+    if beat is None:
+        return False
+    now = time.time() if now is None else now
+    return now - beat.replace(tzinfo=beat.tzinfo or UTC).timestamp() <= WORKER_LIVE_S
+
+
+def queue_health(r: redis.Redis, name: str) -> dict:
+    """Per queue: live workers, how many of them are busy, leases waiting, failed leases."""
+    now = time.time()
+    registered = workers(r, name)
+    live = [w for w in registered if is_live(w, now)]
+    return {
+        "workers": len(live),
+        "busy": sum(1 for w in live if _state(w) == "busy"),
+        "registered": len(registered),
+        "queued_leases": queue(r, name).count,
+        **failures(r, name),
+    }
+
+
+def _state(w: Worker) -> str:
+    s = w.get_state()
+    return s.decode() if isinstance(s, bytes) else str(s)
 
 
 def failures(r: redis.Redis, name: str) -> dict:

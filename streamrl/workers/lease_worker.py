@@ -1,0 +1,150 @@
+"""``LeaseWorker``: the rq worker class that makes every stage live by construction.
+
+Start it with ``rq worker -w streamrl.workers.LeaseWorker srl-rollout`` (``streamrl worker``
+does). The invariant it keeps:
+
+    Whenever a LeaseWorker is idle, every listed run (not halted) has a lease job waiting on
+    each of the worker's queues; the idle worker then takes one itself.
+
+Lease jobs still queue a successor when they end, but liveness no longer rests on that chain:
+a lease killed with its worker (between dequeue and top-up, at lease end, every lease of a
+queue at once) leaves nothing behind that anyone must restart, because any idle worker, or any
+worker started later, recreates the lease within ``IDLE_CHECK_S``. The entries a dead lease
+held are reclaimed from the consumer group by the next lease (``XAUTOCLAIM`` after
+``claim_idle_ms``), so no stream entry depends on a particular process surviving.
+
+It also differs from rq's plain ``Worker`` in ways a long run needs:
+
+- it reads and writes jobs with rq's JSON serializer (no pickle), even without ``-S json``;
+- it heartbeats every ``WORKER_HEARTBEAT_S`` while idle or busy, so ``streamrl status`` can
+  count only live workers (a SIGKILLed worker's registration lingers in rq until its key
+  expires);
+- its Redis client reconnects with backoff, so a restarted ``redis-server`` is ridden out
+  instead of ending the worker;
+- a worker whose leases keep failing (a config that cannot load, a stale policy) backs off
+  exponentially before queueing another, instead of spinning.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+from rq.job import Job, JobStatus
+from rq.queue import Queue
+from rq.serializers import JSONSerializer
+from rq.worker import Worker
+
+from streamrl.bus.keys import Keys
+from streamrl.connection import make_resilient
+from streamrl.defaults import (
+    IDLE_CHECK_S,
+    LEASE_FAILURE_BACKOFF_MAX_S,
+    RUNS_KEY,
+    WORKER_HEARTBEAT_S,
+    WORKER_TTL_S,
+)
+from streamrl.workers import leases
+
+
+def listed_runs(r: redis.Redis) -> list[str]:
+    """Runs that want leases: listed, configured, and not halted. A run whose config is gone
+    (deleted, flushed) is unlisted on the way."""
+    runs = sorted(x.decode() for x in r.smembers(RUNS_KEY))
+    if not runs:
+        return []
+    pipe = r.pipeline(transaction=False)
+    for run in runs:
+        pipe.exists(Keys(run).config)
+        pipe.exists(Keys(run).halt)
+    flags = pipe.execute()
+    out = []
+    for i, run in enumerate(runs):
+        configured, halted = flags[2 * i], flags[2 * i + 1]
+        if not configured:
+            r.srem(RUNS_KEY, run)
+        elif not halted:
+            out.append(run)
+    return out
+
+
+def ensure_leases(r: redis.Redis, queue_names: list[str]) -> int:
+    """Queue a lease for every listed run on each of these queues that has none waiting."""
+    names = [q for q in queue_names if q in leases.ROLES]
+    if not names:
+        return 0
+    added = 0
+    for run in listed_runs(r):
+        for name in names:
+            added += leases.top_up(r, name, run)
+    return added
+
+
+class LeaseWorker(Worker):
+    def __init__(self, queues: Any, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("serializer") is None:
+            kwargs["serializer"] = JSONSerializer
+        super().__init__(queues, *args, **kwargs)
+        make_resilient(self.connection)
+        self.job_monitoring_interval = min(self.job_monitoring_interval, WORKER_HEARTBEAT_S)
+        self.worker_ttl = min(self.worker_ttl, WORKER_TTL_S)
+        self._failures = 0  # consecutive failed leases run by this worker
+        self._ensure_after = 0.0  # monotonic time before which this worker queues no lease
+
+    # -- the invariant
+    def _ensure(self) -> None:
+        if time.monotonic() < self._ensure_after:
+            return
+        try:
+            ensure_leases(self.connection, self.queue_names())
+        except redis.RedisError as e:  # Redis is down: rq's own loop reconnects with backoff
+            self.log.warning("Worker %s: could not ensure leases: %s", self.name, e)
+
+    def dequeue_job_and_maintain_ttl(
+        self, timeout: int | None, max_idle_time: int | None = None
+    ) -> tuple[Job, Queue] | None:
+        """rq's blocking dequeue, cut into ``IDLE_CHECK_S`` slices; before each slice the
+        worker heartbeats and makes sure its runs have a lease waiting."""
+        if timeout is None:  # burst mode: one non-blocking look
+            self._ensure()
+            return super().dequeue_job_and_maintain_ttl(None, max_idle_time)
+        idle_since = time.monotonic()
+        while True:
+            self._ensure()
+            result = super().dequeue_job_and_maintain_ttl(IDLE_CHECK_S, IDLE_CHECK_S)
+            if result is not None or self._stop_requested:
+                return result
+            if max_idle_time is not None and time.monotonic() - idle_since >= max_idle_time:
+                return None
+
+    # -- backing off from leases that keep failing
+    def execute_job(self, job: Job, queue: Queue) -> Any:
+        out = super().execute_job(job, queue)
+        try:
+            failed = job.get_status(refresh=True) == JobStatus.FAILED
+        except Exception:  # the job's key is gone (its TTL ran out): it did not fail
+            failed = False
+        if failed:
+            self._failures += 1
+            wait = min(LEASE_FAILURE_BACKOFF_MAX_S, 2.0 ** (self._failures - 1))
+            self._ensure_after = time.monotonic() + wait
+            self.log.warning(
+                "Worker %s: lease %s failed (%d in a row); next lease in %.0f s",
+                self.name,
+                job.id,
+                self._failures,
+                wait,
+            )
+        else:
+            self._failures = 0
+            self._ensure_after = 0.0
+        return out
+
+    def maintain_heartbeats(self, job: Job, execution: Any) -> None:
+        """A Redis restart while the horse runs must not end the worker (rq would quit on the
+        exception): the horse carries on, and the next heartbeat catches up."""
+        try:
+            super().maintain_heartbeats(job, execution)
+        except redis.ConnectionError as e:
+            self.log.warning("Worker %s: heartbeat failed: %s", self.name, e)
