@@ -65,13 +65,19 @@ def main(ctx: click.Context, redis_url: str | None, run: str, run_dir: str) -> N
 
 
 @main.command()
-@click.option("--durable", is_flag=True, help="Turn on Redis's append-only file.")
+@click.option(
+    "--durable",
+    is_flag=True,
+    help="Turn on Redis's append-only file; a crashed server is restarted on the same port.",
+)
 @pass_ctx
 def up(c: Ctx, durable: bool) -> None:
     """Start a private redis-server for this directory and keep it running (Ctrl-C stops it).
 
     Other streamrl commands in this directory find it on their own; rq workers need its URL:
-    `rq worker -u URL -S json srl-rollout`.
+    `rq worker -u URL -w streamrl.workers.LeaseWorker srl-rollout`. With --durable the server
+    keeps the same port across restarts (of it, or of `streamrl up`), so URLs stay valid, and
+    if it dies it is started again from its append-only file.
     """
     from streamrl.embedded import EmbeddedRedis, RedisNotInstalled
 
@@ -86,8 +92,16 @@ def up(c: Ctx, durable: bool) -> None:
     click.echo(f"redis-server on {server.url} (dir {c.run_dir}, durable={durable})")
     click.echo(f"  export STREAMRL_REDIS_URL={server.url} RQ_REDIS_URL={server.url}")
     try:
-        while server.proc and server.proc.poll() is None:
+        while True:
+            while server.proc and server.proc.poll() is None:
+                time.sleep(0.5)
+            code = server.proc.returncode if server.proc else None
+            if not durable:
+                raise click.ClickException(f"redis-server exited (status {code})")
+            click.echo(f"redis-server exited (status {code}); restarting it from its AOF", err=True)
             time.sleep(0.5)
+            server.start()
+            click.echo(f"redis-server back on {server.url}", err=True)
     except KeyboardInterrupt:
         pass
     finally:
@@ -128,7 +142,13 @@ def produce(c, env_name, dataset, count, group_size, seed, config_path, env_opts
     from streamrl.config import RunConfig, load_toml
     from streamrl.envs import make_env
     from streamrl.envs.registry import UnknownEnvironment
-    from streamrl.producer import BATCH, LearnerAdmission, Producer, admission_limit
+    from streamrl.producer import (
+        BATCH,
+        LearnerAdmission,
+        Producer,
+        admission_batch,
+        admission_limit,
+    )
     from streamrl.workers import leases
     from streamrl.workers.context import write_config
 
@@ -158,25 +178,22 @@ def produce(c, env_name, dataset, count, group_size, seed, config_path, env_opts
     write_config(r, cfg)
     for q in (d.ROLLOUT_QUEUE, d.VERIFY_QUEUE):
         leases.top_up(r, q, c.run)
-    # admission control: never more than (max_staleness + 1) learner batches in flight
+    # admission control: never more than (max_staleness + 1) learner batches in flight, drops
+    # settle only as fast as training pays for them, and Redis stays under its memory budget
     limit = admission_limit(cfg.learner, cfg.group_size)
-    admission = None
-    if limit:
 
-        def waiting(flying: int, limit: int) -> None:
-            click.echo(
-                f"admission control: {flying} samples in flight (limit {limit}); "
-                "waiting for the learner to consume",
-                err=True,
-            )
+    def waiting(hold) -> None:
+        held = time.time() - hold.since
+        click.echo(f"producer waiting ({held:.0f} s, {hold.reason}): {hold.message}", err=True)
 
-        admission = LearnerAdmission(r, c.run, cfg.group_size, limit=limit, on_wait=waiting)
-    batch = min(BATCH, limit) if limit else BATCH
+    admission = LearnerAdmission.from_config(r, cfg, limit, on_wait=waiting)
+    batch = min(BATCH, admission_batch(cfg.learner, cfg.group_size) or BATCH)
     producer = Producer(r, c.run, admission=admission, batch_samples=batch)
     if dataset:
         res = producer.from_jsonl(dataset, cfg.env, cfg.group_size)
     else:
         res = producer.from_env(env, count, cfg.group_size, seed=seed, env_spec=cfg.env)
+    admission.finish()
     click.echo(
         f"pushed {res.prompts} prompts ({res.samples} samples) from {res.source}; "
         f"{res.skipped} were already pushed; {len(res.rejected)} rows rejected"
@@ -320,6 +337,41 @@ def bench_pipeline(tasks, group_size, turns, rollout_workers, verify_workers, as
     )
     click.echo(json.dumps(res) if as_json else json.dumps(res, indent=2))
     if res["lost"] or res["duplicated"]:
+        sys.exit(1)
+
+
+@bench.command("chaos")
+@click.option("--kills", default=20, show_default=True, help="Worker SIGKILLs.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--prompts", default=400, show_default=True)
+@click.option("--rollout-workers", default=3, show_default=True)
+@click.option("--verify-workers", default=2, show_default=True)
+@click.option(
+    "--redis-restart/--no-redis-restart",
+    default=True,
+    show_default=True,
+    help="Also SIGKILL redis-server once and restart it from its AOF.",
+)
+@click.option("--json", "as_json", is_flag=True)
+def bench_chaos(kills, seed, prompts, rollout_workers, verify_workers, redis_restart, as_json):
+    """Kill workers (whole tree, rq main, work horse; at random and at lease boundaries) and
+    Redis at random, then check that every prompt ends as exactly one complete group.
+    Exits 1 if anything was lost, doubled or dead-lettered."""
+    from streamrl.chaos import ChaosConfig, chaos_bench, clean
+
+    cfg = ChaosConfig(
+        kills=kills,
+        seed=seed,
+        prompts=prompts,
+        rollout_workers=rollout_workers,
+        verify_workers=verify_workers,
+        redis_restart=redis_restart,
+    )
+    res = chaos_bench(cfg, progress=None if as_json else lambda m: click.echo(m, err=True))
+    if as_json:
+        res = {k: v for k, v in res.items() if k != "faults"}
+    click.echo(json.dumps(res) if as_json else json.dumps(res, indent=2))
+    if not clean(res):
         sys.exit(1)
 
 

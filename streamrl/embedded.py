@@ -1,8 +1,10 @@
 """A private ``redis-server`` for runs that were given no Redis URL.
 
 It listens on a free loopback port, keeps its files in the run directory, and is stopped when
-the owning process exits. ``durable=True`` turns on the append-only file, so a crashed run can
-be resumed from what Redis had acknowledged.
+the owning process exits. ``durable=True`` turns on the append-only file (``appendfsync
+everysec``), so a crashed run can be resumed from what Redis had acknowledged. A durable server
+remembers its port in ``redis.port`` and comes back on it, so the URLs that workers were given
+stay valid across restarts.
 """
 
 from __future__ import annotations
@@ -46,8 +48,21 @@ class EmbeddedRedis:
     def __init__(self, directory: str | Path, durable: bool = False, port: int | None = None):
         self.directory = Path(directory)
         self.durable = durable
-        self.port = port or free_port()
+        self.port = port or (self.remembered_port() if durable else None) or free_port()
         self.proc: subprocess.Popen | None = None
+
+    def remembered_port(self) -> int | None:
+        """The port a durable server in this directory listened on before, if it is free."""
+        try:
+            port = int((self.directory / "redis.port").read_text().strip())
+        except (OSError, ValueError):
+            return None
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return None
+        return port
 
     @property
     def url(self) -> str:
@@ -92,7 +107,15 @@ class EmbeddedRedis:
         client.close()
         (self.directory / "redis.url").write_text(self.url + "\n")
         (self.directory / "redis.pid").write_text(f"{self.proc.pid}\n")
+        (self.directory / "redis.port").write_text(f"{self.port}\n")
         return self
+
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would (no shutdown save, no cleanup); ``start()``
+        brings it back on the same port from its AOF."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
