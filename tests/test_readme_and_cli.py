@@ -44,6 +44,9 @@ def test_readme_environment_is_the_example_file():
     assert code == (ROOT / "examples" / "reverse_env.py").read_text()
 
 
+WORKER = "streamrl.workers.LeaseWorker"
+
+
 def test_example_environment_runs_through_produce_and_workers(redis_url, r, subprocess_env):
     """The README's commands: audit, produce, then burst rq workers from the repository root."""
     env = {**subprocess_env, "STREAMRL_REDIS_URL": redis_url, "STREAMRL_RUN": "readme"}
@@ -55,7 +58,7 @@ def test_example_environment_runs_through_produce_and_workers(redis_url, r, subp
     assert "pushed 10 prompts (40 samples)" in out.stdout
     for queue, stage in (("srl-rollout", "tasks"), ("srl-verify", "rollouts")):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rq.cli", "worker", "-u", redis_url, "-S", "json", queue],
+            [sys.executable, "-m", "rq.cli", "worker", "-u", redis_url, "-w", WORKER, queue],
             env=env,
             cwd=ROOT,
             stdout=subprocess.DEVNULL,

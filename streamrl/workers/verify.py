@@ -1,10 +1,10 @@
 """The verifier worker: an rq lease job that scores trajectories from the ``rollouts`` stream.
 
-Start with ``rq worker -S json srl-verify`` (or ``streamrl worker verify``). Each score is
-appended to the live ``scored`` stream and added to its group in one Lua script that ignores
-duplicates; the last sample of a group writes the Group to ``groups`` exactly once. A verifier
-that raises or times out is retried, then dead-lettered with its reason and its group dropped:
-a failure is never a reward of 0.
+Start with ``rq worker -w streamrl.workers.LeaseWorker srl-verify`` (or ``streamrl worker
+verify``). Each score is appended to the live ``scored`` stream and added to its group in one
+Lua script that ignores duplicates; the last sample of a group writes the Group to ``groups``
+exactly once. A verifier that raises or times out is retried, then dead-lettered with its
+reason and its group dropped: a failure is never a reward of 0.
 """
 
 from __future__ import annotations
