@@ -32,6 +32,15 @@ CLAIM_IDLE_MS = 30_000
 HEARTBEAT_S = 5.0
 MAX_DELIVERIES = 5
 
+# Policy health. A rollout worker more than MAX_STALENESS policy versions behind the newest one
+# (the learner's default; a run config's [learner] max_staleness wins) for longer than
+# MAX_POLICY_LAG_S fails its lease and marks the run faulted. Status ignores a worker's health
+# record once it is POLICY_HEALTH_STALE_HEARTBEATS heartbeats + POLICY_HEALTH_STALE_S old.
+MAX_STALENESS = 4
+MAX_POLICY_LAG_S = 60.0
+POLICY_HEALTH_STALE_HEARTBEATS = 3
+POLICY_HEALTH_STALE_S = 10.0
+
 # Episodes.
 MAX_TURNS = 8
 MAX_EPISODE_TOKENS = 4096
@@ -52,6 +61,8 @@ VERIFY_BATCH = 256
 
 # Retention: entries younger than this are never trimmed even when every group has read them.
 RETENTION_MS = 15 * 60 * 1000
+# A consumer that holds nothing and has not read for this long is deleted from its group.
+DEAD_CONSUMER_IDLE_MS = 10 * 60 * 1000
 GROUP_DONE_TTL_S = 24 * 3600
 
 # The embedded redis-server.
@@ -88,3 +99,18 @@ LEASE_FAILURE_BACKOFF_MAX_S = 30.0
 RECONNECT_BASE_S = 0.05
 RECONNECT_CAP_S = 1.0
 RECONNECT_RETRIES = 150
+
+# Admission control (the producer's gate, producer.LearnerAdmission). Dropped samples (stale,
+# zero-variance, failed groups) settle only while training pays for them: at most
+# MAX_DROP_FRACTION of what the learner consumes may be waste (0.9: nine dropped samples per
+# applied one), plus one in-flight window at start. Redis memory: the producer also waits while
+# INFO used_memory is at or above REDIS_MEMORY_MB MiB or MAXMEMORY_FRACTION of maxmemory,
+# reading INFO at most every MEMORY_CHECK_S. A producer held on its drop budget with nothing
+# left in the pipeline lets one probe push through every DROP_PROBE_S, so a run whose cause of
+# waste is fixed (workers that load new policies again) starts training again by itself.
+ADMISSION_MAX_DROP_FRACTION = 0.9
+ADMISSION_REDIS_MEMORY_MB = 1024.0
+ADMISSION_MAXMEMORY_FRACTION = 0.8
+ADMISSION_MEMORY_CHECK_S = 0.5
+ADMISSION_DROP_PROBE_S = 60.0
+ADMISSION_TELL_EVERY_S = 5.0

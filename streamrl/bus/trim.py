@@ -8,8 +8,8 @@ import time
 import redis
 
 from streamrl.bus.keys import Keys
-from streamrl.bus.streams import Scripts
-from streamrl.defaults import RETENTION_MS
+from streamrl.bus.streams import Scripts, stage_groups
+from streamrl.defaults import DEAD_CONSUMER_IDLE_MS, RETENTION_MS
 
 
 def trim_run(r: redis.Redis, run: str, retention_ms: int = RETENTION_MS) -> dict[str, int]:
@@ -22,3 +22,20 @@ def trim_run(r: redis.Redis, run: str, retention_ms: int = RETENTION_MS) -> dict
             continue  # policy history is small and is what backends reload from
         out[stream] = scripts.trim(keys=[stream], args=[retention_ms, now_ms])
     return out
+
+
+def forget_idle_consumers(r: redis.Redis, run: str, idle_ms: int = DEAD_CONSUMER_IDLE_MS) -> int:
+    """Delete consumers that hold nothing and have not read for ``idle_ms``: every killed or
+    replaced worker leaves one behind (its name is unique). Nothing is lost: a consumer with
+    no pending entries owns nothing, and a live one that was only idle is re-created by its
+    next XREADGROUP."""
+    removed = 0
+    for stream, group in stage_groups(Keys(run)):
+        try:
+            consumers = r.xinfo_consumers(stream, group)
+        except redis.ResponseError:
+            continue
+        for c in consumers:
+            if c["pending"] == 0 and c.get("inactive", c["idle"]) > idle_ms:
+                removed += r.xgroup_delconsumer(stream, group, c["name"]) == 0
+    return removed

@@ -28,7 +28,7 @@ from streamrl.bus.streams import (
     parse_claim,
     parse_read,
 )
-from streamrl.bus.trim import trim_run
+from streamrl.bus.trim import forget_idle_consumers, trim_run
 from streamrl.config import RunConfig
 from streamrl.defaults import GROUP_DONE_TTL_S, SCHEMA_VERSION, VERIFY_GROUP, VERIFY_QUEUE
 from streamrl.envs import Environment, make_env
@@ -232,6 +232,7 @@ class VerifyLease:
             self.process(parse_read(resp))
         # each verifier lease also trims the run's streams behind their slowest consumer group
         trim_run(self.r, self.run_name, cfg.streams.retention_ms)
+        forget_idle_consumers(self.r, self.run_name)
         log.info("lease done", run=self.run_name, consumer=self.consumer, **self.counts)
         return self.counts
 
