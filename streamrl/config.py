@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -55,6 +55,20 @@ class StreamConfig(_Cfg, kw_only=True):
     block_ms: int = d.READ_BLOCK_MS
 
 
+class AdmissionConfig(_Cfg, kw_only=True):
+    """The producer's gate (``[admission]``; see ``producer.LearnerAdmission``)."""
+
+    # at most this fraction of what the learner consumes may be dropped (stale, zero-variance,
+    # failed) and still let the producer push more; 1.0 lets every drop settle (no budget)
+    max_drop_fraction: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = (
+        d.ADMISSION_MAX_DROP_FRACTION
+    )
+    # wait while Redis used_memory is at or above this many MiB (0: only maxmemory's limit)
+    redis_memory_mb: Annotated[float, msgspec.Meta(ge=0.0)] = d.ADMISSION_REDIS_MEMORY_MB
+    # held on the drop budget with an empty pipeline: one probe push this often (0: never)
+    drop_probe_s: Annotated[float, msgspec.Meta(ge=0.0)] = d.ADMISSION_DROP_PROBE_S
+
+
 class RunConfig(_Cfg, kw_only=True):
     """Everything a worker needs to know about a run; lives at ``srl:{run}:config``."""
 
@@ -67,6 +81,7 @@ class RunConfig(_Cfg, kw_only=True):
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     verify: VerifyConfig = msgspec.field(default_factory=VerifyConfig)
     streams: StreamConfig = msgspec.field(default_factory=StreamConfig)
+    admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     # The [learner] table, validated by the learner itself (streamrl.learner.config.
     # LearnerConfig): importing it here would pull torch into every worker.
     learner: dict[str, Any] = msgspec.field(default_factory=dict)

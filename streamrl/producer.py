@@ -9,6 +9,8 @@ the last one stopped and a re-sent batch is never pushed twice.
 from __future__ import annotations
 
 import json
+import math
+import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +21,7 @@ from typing import Any
 import msgspec
 import redis
 
+from streamrl import defaults as d
 from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.bus.streams import Scripts
@@ -57,12 +60,122 @@ def _tasks(prompt_id: str, env: str, group_size: int, inp, data, seed: int) -> l
 
 Admission = Callable[[int], None]  # blocks until `n` more samples may enter the pipeline
 
+MiB = 1024 * 1024
+
+# why a producer waits (``Hold.reason``, and ``reason`` in the producer_state hash)
+WINDOW_FULL = "window_full"
+NO_LEARNER = "no_learner"
+DROP_BUDGET = "drop_budget"
+MEMORY_BUDGET = "memory_budget"
+
+_LEARNER_FIELDS = (
+    "max_in_flight",
+    "samples_consumed",
+    "groups_applied",
+    "waiting_groups",
+    "dropped_invalid",
+    "updated_at",
+)
+
+
+@dataclass
+class Gate:
+    """One reading of the pipeline's accounting, in samples."""
+
+    pushed: int  # entries ever added to the tasks stream
+    useful: int  # applied by the learner, or accepted into its open batch
+    dropped: int  # dropped by the learner (stale, zero-variance, ...) or at group assembly
+    debt: int  # dropped samples that training has not paid for yet: they stay in flight
+    limit: int | None  # the window, (max_staleness + 1) x batch samples
+    learner: bool  # a learner has reported
+
+    @property
+    def pipeline(self) -> int:
+        """Samples still on their way to the learner (queued, rolling out, verifying, unread)."""
+        return self.pushed - self.useful - self.dropped
+
+    @property
+    def in_flight(self) -> int:
+        return self.pipeline + self.debt
+
+
+@dataclass
+class Memory:
+    used: int  # bytes, INFO used_memory
+    budget: int  # bytes
+    source: str  # which setting the budget comes from
+
+    @property
+    def over(self) -> bool:
+        return self.used >= self.budget
+
+
+@dataclass
+class Hold:
+    """Why the producer waits; what ``on_wait`` is told and ``streamrl status`` shows."""
+
+    reason: str  # WINDOW_FULL | NO_LEARNER | DROP_BUDGET | MEMORY_BUDGET
+    message: str
+    in_flight: int
+    limit: int | None
+    since: float  # time.time() when this wait began
+    debt: int = 0
+    used_mb: float | None = None
+    budget_mb: float | None = None
+
 
 class LearnerAdmission:
-    """Keeps rollouts from running ahead of training: at most ``max_in_flight`` samples
-    pushed but not yet settled (consumed by the learner, or in a dropped group). The limit is
-    ``(max_staleness + 1) x batch samples``; the learner publishes it in its progress hash
-    (``max_in_flight``), and without a learner there is no limit."""
+    """The producer's gate: rollouts may not run ahead of training, nor fill Redis.
+
+    **Window.** At most ``limit = (max_staleness + 1) x batch`` samples may be in flight:
+    pushed but not yet settled. The learner publishes the limit in its progress hash
+    (``max_in_flight``); until it does, the ``limit`` given here holds (``override`` keeps it
+    for good). Without either there is no window, only the memory budget.
+
+    **Drops settle only as fast as training pays for them.** A sample is settled when the
+    learner applied it, or accepted it into the batch it is filling (``groups_applied`` and
+    ``waiting_groups``: *useful* samples). Dropped samples (stale, zero-variance, no tokens or
+    invalid groups the learner read and discarded, and groups dropped at assembly because a
+    sample failed) settle from a *waste balance*: it starts at one window (``limit``), grows
+    by ``r = max_drop_fraction / (1 - max_drop_fraction)`` per useful sample (0.9: nine
+    dropped samples per applied one), shrinks by one per dropped sample, and is capped at
+    ``max(1, r) x limit`` so that a long healthy run does not bank credit that a later
+    failure could spend. A negative balance is *debt*: dropped samples that stay in flight::
+
+        in_flight = pushed - useful - dropped + debt;   push n when in_flight + n <= limit
+
+    So a run that applies nothing (workers that never load new policies: every group stale)
+    pushes at most about one window plus the balance (at most ``(1 + max(1, r)) x limit``
+    samples) and then waits with reason ``drop_budget``, instead of pushing as fast as the
+    learner can throw groups away. ``max_drop_fraction = 1`` turns the budget off (every
+    drop settles at once, the old rule).
+
+    **Why a healthy run cannot deadlock.** (1) Accepted-but-not-yet-applied groups count as
+    settled, so with no debt ``in_flight`` is exactly what is still in the pipeline; once it
+    has all reached the learner ``in_flight`` is 0, and ``in_flight <= 0`` always admits (even
+    a push larger than the window). The learner therefore never waits for a batch that the
+    gate keeps from filling. (2) Debt needs a stretch in which more than the whole balance
+    is dropped; a run whose drop fraction stays below ``max_drop_fraction`` has a balance
+    that drifts up to its cap (per consumed sample ``r(1-p) - p > 0`` at drop fraction
+    ``p``), so that takes a sustained failure, not bad luck. (3) Even then the gate reopens:
+    every useful sample pays ``r`` of debt, and while the gate is closed on debt with
+    nothing left in the pipeline (so nothing could ever be applied), one probe push gets
+    through every ``drop_probe_s``; once the cause is fixed, a probe's groups are applied and
+    pay the debt back. (4) A restarted learner republishes the counters of its checkpoint and
+    re-reads the entries after it: the balance keeps high-water marks of the useful and
+    dropped counts, so replayed groups are neither credited nor charged twice, and the
+    replay needs no new pushes.
+
+    **Memory budget.** The gate is also closed while Redis ``used_memory`` is at or above
+    ``redis_memory_mb`` MiB or ``0.8 x maxmemory`` (the smaller; INFO is read at most every
+    ``memory_check_s``). It reopens when memory falls (streams are trimmed behind their
+    slowest consumer and retention window, by verifier leases or ``streamrl trim``).
+
+    **Saying so.** ``on_wait(hold)`` is told every ``tell_every_s`` while held (``Hold``:
+    reason, message, figures, since), and the state (``running``/``waiting``/``done``, reason,
+    message, since, figures, and the waste balance, so a restarted producer keeps its debt)
+    is published in the run's ``producer_state`` hash, which ``streamrl status`` shows.
+    """
 
     def __init__(
         self,
@@ -72,42 +185,260 @@ class LearnerAdmission:
         limit: int | None = None,
         poll_s: float = 0.02,
         override: bool = False,
-        on_wait: Callable[[int, int], None] | None = None,
+        on_wait: Callable[[Hold], None] | None = None,
+        *,
+        max_drop_fraction: float = d.ADMISSION_MAX_DROP_FRACTION,
+        redis_memory_mb: float = d.ADMISSION_REDIS_MEMORY_MB,
+        drop_probe_s: float = d.ADMISSION_DROP_PROBE_S,
+        memory_check_s: float = d.ADMISSION_MEMORY_CHECK_S,
+        tell_every_s: float = d.ADMISSION_TELL_EVERY_S,
     ):
+        if not 0.0 <= max_drop_fraction <= 1.0:
+            raise ValueError(f"max_drop_fraction must be in [0, 1], got {max_drop_fraction}")
         self.r = r
         self.keys = Keys(run)
         self.group_size = group_size
         self.limit = limit  # until the learner publishes its own (it may still be loading)
         self.override = override  # keep `limit` even then (experiments that fix the window)
-        self.on_wait = on_wait  # told (in flight, limit) every few seconds while held back
+        self.on_wait = on_wait  # told every few seconds while held back
         self.poll_s = poll_s
+        self.max_drop_fraction = max_drop_fraction
+        self.redis_memory_mb = redis_memory_mb
+        self.drop_probe_s = drop_probe_s
+        self.memory_check_s = memory_check_s
+        self.tell_every_s = tell_every_s
         self.waited_s = 0.0
+        self.probes = 0
+        self.waits: dict[str, float] = {}  # seconds held, by reason
+        # waste balance (samples) and the high-water marks it has been charged up to
+        self.balance: float | None = None
+        self._seen_useful = 0
+        self._seen_dropped = 0
+        self._loaded = False
+        self._memory: Memory | None = None
+        self._memory_at = -float("inf")
+        self._published_at = -float("inf")
+        self._last_probe = -float("inf")
 
-    def in_flight(self) -> tuple[int, int | None]:
+    @classmethod
+    def from_config(
+        cls,
+        r: redis.Redis,
+        cfg: Any,
+        limit: int | None,
+        on_wait: Callable[[Hold], None] | None = None,
+        **kw: Any,
+    ) -> LearnerAdmission:
+        """From a ``RunConfig``: its run, group size and ``[admission]`` table."""
+        a = cfg.admission
+        return cls(
+            r,
+            cfg.run,
+            cfg.group_size,
+            limit=limit,
+            on_wait=on_wait,
+            max_drop_fraction=a.max_drop_fraction,
+            redis_memory_mb=a.redis_memory_mb,
+            drop_probe_s=a.drop_probe_s,
+            **kw,
+        )
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def ratio(self) -> float | None:
+        """Dropped samples one useful sample pays for; None: no budget (every drop settles)."""
+        f = self.max_drop_fraction
+        return None if f >= 1.0 else round(f / (1.0 - f), 9)  # 0.9 -> 9, not 9.000000000000002
+
+    def gate(self) -> Gate:
+        """Read the counters, charge new drops and credit new useful samples to the balance."""
+        if not self._loaded:
+            self._load()
+        g = self.group_size
         pipe = self.r.pipeline(transaction=False)
         pipe.xinfo_stream(self.keys.tasks)
-        pipe.hmget(self.keys.learner, ["max_in_flight", "samples_consumed"])
+        pipe.hmget(self.keys.learner, list(_LEARNER_FIELDS))
         pipe.hget(self.keys.stats, "groups_dropped")
-        info, (limit, consumed), dropped = pipe.execute()
-        settled = int(consumed or 0) + int(dropped or 0) * self.group_size
-        if self.override or not limit:
-            return info["entries-added"] - settled, self.limit
-        return info["entries-added"] - settled, int(limit)
+        info, learner, assembly_dropped = pipe.execute(raise_on_error=False)
+        if isinstance(info, redis.ResponseError):  # no tasks stream yet: nothing pushed
+            info = {"entries-added": 0}
+        elif isinstance(info, Exception):
+            raise info
+        for v in (learner, assembly_dropped):
+            if isinstance(v, Exception):
+                raise v
+        limit_s, consumed, applied, waiting, invalid = (int(float(x or 0)) for x in learner[:5])
+        useful = (applied + waiting) * g
+        dropped = max(0, consumed + invalid * g - useful) + int(assembly_dropped or 0) * g
+        limit = self.limit if self.override or not limit_s else limit_s
+        debt = 0
+        ratio = self.ratio
+        if limit and ratio is not None:
+            if self.balance is None:
+                self.balance = float(limit)  # one window at start
+            credit = max(0, useful - self._seen_useful)
+            charge = max(0, dropped - self._seen_dropped)
+            cap = max(1.0, ratio) * limit
+            self.balance = min(cap, self.balance + ratio * credit - charge)
+            debt = math.ceil(-self.balance) if self.balance < 0 else 0
+        self._seen_useful = max(self._seen_useful, useful)
+        self._seen_dropped = max(self._seen_dropped, dropped)
+        return Gate(
+            pushed=int(info["entries-added"]),
+            useful=useful,
+            dropped=dropped,
+            debt=debt,
+            limit=limit,
+            learner=any(x is not None for x in learner),
+        )
 
+    def in_flight(self) -> tuple[int, int | None]:
+        gate = self.gate()
+        return gate.in_flight, gate.limit
+
+    def memory(self) -> Memory | None:
+        """Redis memory against the budget (None: no budget), read at most every
+        ``memory_check_s``."""
+        now = time.monotonic()
+        if now - self._memory_at < self.memory_check_s:
+            return self._memory
+        self._memory_at = now
+        info = self.r.info("memory")
+        budgets = []
+        if self.redis_memory_mb > 0:
+            budgets.append((int(self.redis_memory_mb * MiB), "[admission] redis_memory_mb"))
+        maxmemory = int(info.get("maxmemory", 0) or 0)
+        if maxmemory > 0:
+            frac = d.ADMISSION_MAXMEMORY_FRACTION
+            budgets.append((int(maxmemory * frac), f"{frac:.0%} of maxmemory"))
+        if not budgets:
+            self._memory = None
+        else:
+            budget, source = min(budgets)
+            self._memory = Memory(int(info["used_memory"]), budget, source)
+        return self._memory
+
+    def hold(self, n: int, gate: Gate, mem: Memory | None, since: float) -> Hold | None:
+        """Why ``n`` more samples may not be pushed now, or None when they may."""
+        if mem is not None and mem.over:
+            used, budget = mem.used / MiB, mem.budget / MiB
+            return Hold(
+                MEMORY_BUDGET,
+                f"memory budget: Redis uses {used:.0f} MB of {budget:.0f} MB ({mem.source}); "
+                "waiting for the streams to be trimmed (or raise [admission] redis_memory_mb)",
+                gate.in_flight, gate.limit, since, gate.debt, round(used, 1), round(budget, 1),
+            )  # fmt: skip
+        limit = gate.limit
+        if limit is None or gate.in_flight + n <= limit or gate.in_flight <= 0:
+            return None
+        if gate.debt > 0:
+            msg = (
+                f"drop budget exhausted: {gate.dropped} samples dropped (stale, zero-variance "
+                f"or failed) against {gate.useful} trained; {gate.debt} dropped samples wait "
+                f"for training to pay for them (max_drop_fraction {self.max_drop_fraction}). "
+                "Do the rollout workers load new policies? Do rewards vary within groups? "
+                "(Raise [admission] max_drop_fraction if this much waste is expected.)"
+            )
+            return Hold(DROP_BUDGET, msg, gate.in_flight, limit, since, gate.debt)
+        if not gate.learner:
+            msg = (
+                f"window full: {gate.in_flight} samples pushed (limit {limit}) and no learner "
+                "has reported yet; start `streamrl learn`"
+            )
+            return Hold(NO_LEARNER, msg, gate.in_flight, limit, since)
+        msg = (
+            f"window full: {gate.in_flight} samples in flight (limit {limit} = "
+            "(max_staleness + 1) x batch); waiting for the learner to consume"
+        )
+        return Hold(WINDOW_FULL, msg, gate.in_flight, limit, since)
+
+    # ------------------------------------------------------------------ the gate
     def __call__(self, n: int) -> None:
-        start = last_told = time.monotonic()
+        start = last_told = prev = time.monotonic()
+        since = time.time()
+        told_state = False
         while True:
-            try:
-                flying, limit = self.in_flight()
-            except redis.ResponseError:  # no tasks stream yet
-                return
-            if limit is None or flying + n <= limit or flying <= 0:
+            gate = self.gate()
+            mem = self.memory()
+            hold = self.hold(n, gate, mem, since)
+            now = time.monotonic()
+            if hold is None:
                 break
-            if self.on_wait is not None and time.monotonic() - last_told > 5.0:
-                self.on_wait(flying, limit)
-                last_told = time.monotonic()
+            self.waits[hold.reason] = self.waits.get(hold.reason, 0.0) + (now - prev)
+            prev = now
+            if hold.reason == DROP_BUDGET and gate.pipeline <= 0 and self._probe_due(start, now):
+                self.probes += 1  # nothing left that could pay the debt: let one push through
+                self._last_probe = now
+                break
+            if now - start >= 1.0 and (not told_state or now - self._published_at >= 2.0):
+                self.publish("waiting", hold, gate, mem)
+                told_state = True
+            if self.on_wait is not None and now - last_told >= self.tell_every_s:
+                self.on_wait(hold)
+                last_told = now
             time.sleep(self.poll_s)
         self.waited_s += time.monotonic() - start
+        if told_state or time.monotonic() - self._published_at >= 1.0:
+            self.publish("running", None, gate, mem)
+
+    def _probe_due(self, start: float, now: float) -> bool:
+        if self.drop_probe_s <= 0:
+            return False
+        return now - max(start, self._last_probe) >= self.drop_probe_s
+
+    def finish(self) -> None:
+        """The producer is done pushing: say so (and keep the balance for the next one)."""
+        try:
+            gate = self.gate()
+        except redis.RedisError:
+            return
+        self.publish("done", None, gate, self._memory)
+
+    # ------------------------------------------------------------------ state in Redis
+    def publish(self, state: str, hold: Hold | None, gate: Gate, mem: Memory | None) -> None:
+        now = time.time()
+        fields: dict[str, str | int | float] = {
+            "state": state,
+            "reason": hold.reason if hold else "",
+            "message": hold.message if hold else "",
+            "since": hold.since if hold else now,
+            "in_flight": gate.in_flight,
+            "limit": gate.limit if gate.limit is not None else "",
+            "pushed": gate.pushed,
+            "useful": gate.useful,
+            "dropped": gate.dropped,
+            "debt": gate.debt,
+            "probes": self.probes,
+            "used_memory_mb": round(mem.used / MiB, 1) if mem else "",
+            "memory_budget_mb": round(mem.budget / MiB, 1) if mem else "",
+            "pid": os.getpid(),
+            "updated_at": now,
+            "waste_balance": round(self.balance, 3) if self.balance is not None else "",
+            "seen_useful": self._seen_useful,
+            "seen_dropped": self._seen_dropped,
+        }
+        self.r.hset(self.keys.producer_state, mapping=fields)
+        self._published_at = time.monotonic()
+
+    def _load(self) -> None:
+        """Carry on from the balance a previous producer of this run left."""
+        self._loaded = True
+        bal, useful, dropped = self.r.hmget(
+            self.keys.producer_state, ["waste_balance", "seen_useful", "seen_dropped"]
+        )
+        if bal not in (None, b"", ""):
+            self.balance = float(bal)
+            self._seen_useful = int(useful or 0)
+            self._seen_dropped = int(dropped or 0)
+
+
+def admission_batch(learner: dict[str, Any], group_size: int) -> int | None:
+    """One learner batch in samples (``batch_groups x group_size``): pushing this much at a
+    time lets the gate top the pipeline up as each batch is consumed, instead of waiting for a
+    whole window to drain."""
+    if not learner:
+        return None
+    return int(learner.get("batch_groups", 8)) * group_size
 
 
 def admission_limit(learner: dict[str, Any], group_size: int) -> int | None:

@@ -4,6 +4,7 @@ learner's progress."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import redis
@@ -45,6 +46,15 @@ def stream_info(r: redis.Redis, stream: str) -> dict[str, Any]:
     return info
 
 
+def producer_state(r: redis.Redis, keys: Keys) -> dict[str, Any]:
+    """The producer's gate (producer.LearnerAdmission): ``state`` running, waiting or done;
+    while waiting, ``reason``, ``message`` and ``since``; its figures. Empty: no producer."""
+    out = {_s(k): _num(v) for k, v in r.hgetall(keys.producer_state).items()}
+    if out.get("state") == "waiting" and isinstance(out.get("since"), float | int):
+        out["waiting_s"] = round(max(0.0, time.time() - out["since"]), 1)
+    return out
+
+
 def collect(r: redis.Redis, run: str) -> dict[str, Any]:
     from streamrl.workers import leases
 
@@ -71,4 +81,5 @@ def collect(r: redis.Redis, run: str) -> dict[str, Any]:
         "policy_version": policy_version,
         "rq": workers,
         "learner": learner,
+        "producer": producer_state(r, keys),
     }

@@ -47,6 +47,11 @@ def status_table(info: dict[str, Any]) -> Table:
         foot.add_row(
             "learner step", str(ln.get("step")), "groups applied", str(ln.get("groups_applied"))
         )
+    pr = info.get("producer") or {}
+    if pr.get("state") == "waiting":
+        foot.add_row("producer", f"waiting {pr.get('waiting_s', 0)} s", "", str(pr.get("message")))
+    elif pr:
+        foot.add_row("producer", str(pr.get("state")), "in flight", str(pr.get("in_flight")))
     return RichGroup(t, foot)  # type: ignore[return-value]
 
 

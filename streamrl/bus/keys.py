@@ -69,5 +69,10 @@ class Keys:
         return self.key("producer", source)
 
     @property
+    def producer_state(self) -> str:
+        """Hash with the producer's gate: running or waiting, why, since when, its figures."""
+        return self.key("producer_state")
+
+    @property
     def data_streams(self) -> tuple[str, ...]:
         return (self.tasks, self.rollouts, self.scored, self.groups, self.policy, self.dead)
