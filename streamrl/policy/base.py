@@ -37,8 +37,19 @@ class Policy(ABC):
         """The policy version that is answering now."""
         return 0
 
+    @property
+    def reload_error(self) -> str | None:
+        """Why the last attempt to load a newer policy version failed; None when it succeeded
+        (or there was nothing to load). The rollout worker reports it with ``version``."""
+        return None
+
     @abstractmethod
     async def respond(self, request: PolicyRequest) -> ModelTurn: ...
+
+    async def refresh(self) -> None:  # noqa: B027 - optional hook
+        """Look for a newer policy version now. The rollout worker calls this at the start of
+        a lease and on its heartbeat, so that a worker with nothing to generate still follows
+        the learner (and reports it when it cannot). Backends that never change: nothing."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         pass

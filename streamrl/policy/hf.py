@@ -27,7 +27,10 @@ Weights. Between batches (never during one) and at most every ``reload_check_s``
 backend reads the last entry of the run's ``policy`` stream (XREVRANGE ... COUNT 1). A newer
 ``PolicyVersion`` is loaded in place: ``model.safetensors`` (full state dict, HF names) via
 ``load_state_dict``, or a LoRA adapter (``adapter_model.safetensors`` + ``adapter_config.json``)
-via peft. Every turn is stamped with the version that generated it.
+via peft; peft is imported only for adapters, so full-weight training needs no peft. Every turn
+is stamped with the version that generated it. A version that fails to load leaves the old
+weights in place; ``reload_error`` says why until a later attempt succeeds, and the load is
+retried every ``reload_check_s``. ``refresh()`` runs the same check when no batch is running.
 
 Options (``PolicyConfig.options``): ``device`` (``auto`` | ``cpu`` | ``cuda`` | ``cuda:1``),
 ``dtype`` (``auto`` | ``float32`` | ``bfloat16`` | ``float16``), ``max_batch`` (32),
@@ -41,6 +44,7 @@ import asyncio
 import contextlib
 import json
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,6 +165,7 @@ class HFPolicy(Policy):
         self._redis_url = redis_url
         self._redis: Any = None
         self._version = 0
+        self._reload_error: str | None = None
         self._lora_config: dict[str, Any] | None = None
         self._last_check = float("-inf")
 
@@ -176,6 +181,10 @@ class HFPolicy(Policy):
     def version(self) -> int:
         return self._version
 
+    @property
+    def reload_error(self) -> str | None:
+        return self._reload_error
+
     # ------------------------------------------------------------------ public API
 
     async def respond(self, request: PolicyRequest) -> ModelTurn:
@@ -190,6 +199,16 @@ class HFPolicy(Policy):
             # tick has queued its request: those all land in the same batch.
             self._runner = asyncio.create_task(self._run())
         return await pending.future
+
+    async def refresh(self) -> None:
+        """Check for a newer version now, or, while batches are running, leave it to the
+        batch loop (weights never change during a batch). Returns when the batch loop is idle
+        again, so after the first call the version and ``reload_error`` are up to date."""
+        if self._closed:
+            return
+        if self._runner is None or self._runner.done():
+            self._runner = asyncio.create_task(self._run())
+        await asyncio.wait({self._runner})  # not `await`: a cancelled caller must not cancel it
 
     async def close(self) -> None:
         self._closed = True
@@ -228,15 +247,14 @@ class HFPolicy(Policy):
     # ------------------------------------------------------------------ batching
 
     async def _run(self) -> None:
-        while self._queue:
+        while True:
+            await self._reload()
+            if not self._queue:
+                return
             batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
             batch = [p for p in batch if not p.future.done()]  # callers that gave up
             if not batch:
                 continue
-            try:
-                await self._maybe_reload()
-            except Exception as e:  # a bad checkpoint must not stop rollouts
-                log.error("policy reload failed", error=repr(e), run=self.keys.run)
             try:
                 turns = await asyncio.to_thread(self._generate, batch)
             except Exception as e:
@@ -327,14 +345,23 @@ class HFPolicy(Policy):
 
     # ------------------------------------------------------------------ weights
 
+    async def _reload(self) -> None:
+        try:
+            await self._maybe_reload()
+        except Exception as e:  # a bad checkpoint must not stop rollouts: keep the old weights
+            self._reload_error = f"{type(e).__name__}: {e}"
+            log.error("policy reload failed", error=repr(e), run=self.keys.run)
+
     async def _maybe_reload(self) -> None:
         if self._redis_url is None or time.monotonic() - self._last_check < self.reload_check_s:
             return
         self._last_check = time.monotonic()
         latest = await self._latest_version()
         if latest is None or latest.version <= self._version or latest.format == "none":
+            self._reload_error = None  # serving what we should
             return
         await asyncio.to_thread(self._load, latest)
+        self._reload_error = None
         log.info("policy reloaded", version=latest.version, path=latest.path, run=self.keys.run)
 
     async def _latest_version(self) -> PolicyVersion | None:
@@ -395,10 +422,11 @@ class HFPolicy(Policy):
         self._lora_config = config
 
     def _base_model(self) -> Any:
-        """The plain transformers model: a full-weights version replaces any LoRA."""
-        from peft import PeftModel
-
-        if isinstance(self.model, PeftModel):
+        """The plain transformers model: a full-weights version replaces any LoRA. The model
+        can only be a peft model if peft was imported (by ``_load_lora``), so full weights
+        never import it."""
+        peft = sys.modules.get("peft")
+        if peft is not None and isinstance(self.model, peft.PeftModel):
             self.model = self.model.unload()
             self._lora_config = None
         return self.model

@@ -58,7 +58,9 @@ stream; one client at a time per server (a Redis lock), the others just adopt th
 Failures: connection errors, timeouts, 408/429/5xx and unparseable bodies are retried with
 exponential backoff and jitter; when retries run out, or on any other 4xx, ``PolicyError``
 (the episode stays pending and is retried; it is never scored). The HTTP client is an
-``httpx``-API ``AsyncClient`` with one connection pool shared by all episodes.
+``httpx``-API ``AsyncClient`` with one connection pool shared by all episodes. A failed
+server update (or served-version read) keeps the old version, is retried every
+``reload_check_s``, and is reported as ``reload_error`` until a later sync succeeds.
 
 Options: ``api_key``, ``timeout_s`` (600), ``connect_timeout_s`` (10), ``max_connections``
 (256), ``retries`` (4), ``backoff_s`` (0.5), ``backoff_max_s`` (8), ``sync``
@@ -188,6 +190,7 @@ class OpenAIPolicy(Policy):
         self._served_key = self.keys.key("served", server_id)
         self._model = config.model  # what requests name: the base model or an adapter
         self._version = 0
+        self._reload_error: str | None = None
         self._adapters: list[str] = []  # adapters this client loaded, oldest first
         self._last_check = float("-inf")
         self._sync_lock = asyncio.Lock()
@@ -201,6 +204,10 @@ class OpenAIPolicy(Policy):
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def reload_error(self) -> str | None:
+        return self._reload_error
 
     @property
     def model(self) -> str:
@@ -385,8 +392,13 @@ class OpenAIPolicy(Policy):
             self._last_check = time.monotonic()
             try:
                 await self._sync_once()
+                self._reload_error = None
             except Exception as e:  # keep serving the old version; try again later
+                self._reload_error = f"{type(e).__name__}: {e}"
                 log.error("policy sync failed", error=repr(e), server=self.root, run=self.keys.run)
+
+    async def refresh(self) -> None:
+        await self._maybe_sync()
 
     async def _sync_once(self) -> None:
         if self._redis is None:
