@@ -38,6 +38,9 @@ class RolloutConfig(_Cfg, kw_only=True):
     read_batch: int = d.READ_BATCH
     lease_seconds: float = d.LEASE_SECONDS
     drain_seconds: float = d.LEASE_DRAIN_SECONDS
+    # A worker serving a policy more than [learner] max_staleness versions behind the newest
+    # for this long fails its lease and faults the run (0: never).
+    max_policy_lag_s: float = d.MAX_POLICY_LAG_S
 
 
 class VerifyConfig(_Cfg, kw_only=True):

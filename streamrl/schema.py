@@ -193,6 +193,25 @@ class PolicyVersion(_Base, kw_only=True):
     created_at: float = 0.0
 
 
+class WorkerPolicy(_Base, kw_only=True):
+    """One rollout worker's policy health, in the run's ``policy_health`` hash (field: the
+    worker's consumer name), rewritten on every heartbeat of its lease. ``behind_since`` is
+    when it last fell more than ``max_staleness`` versions behind ``newest`` (None while it is
+    not); a record not rewritten for ``3 * heartbeat_s + 10`` seconds belongs to no live lease."""
+
+    v: int = SCHEMA_VERSION
+    worker: str
+    backend: str = ""
+    version: int = 0  # the policy version this worker serves
+    newest: int | None = None  # the newest version announced on the policy stream
+    error: str | None = None  # the backend's last reload error; None: the last reload worked
+    behind_since: float | None = None  # wall time
+    max_staleness: int = 0
+    heartbeat_s: float = 0.0
+    fault: str | None = None  # the run fault this worker raised, until it is healthy again
+    updated_at: float = 0.0
+
+
 class DeadLetter(_Base, kw_only=True):
     """Why an entry left its stage for good."""
 
@@ -216,6 +235,7 @@ SCORE = msgspec.msgpack.Decoder(Score)
 GROUP = msgspec.msgpack.Decoder(Group)
 POLICY_VERSION = msgspec.msgpack.Decoder(PolicyVersion)
 DEAD_LETTER = msgspec.msgpack.Decoder(DeadLetter)
+WORKER_POLICY = msgspec.msgpack.Decoder(WorkerPolicy)
 
 
 def encode(obj: msgspec.Struct) -> bytes:

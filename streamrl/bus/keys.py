@@ -59,6 +59,18 @@ class Keys:
         """Hash with the learner's progress: step, policy version, groups consumed and dropped."""
         return self.key("learner")
 
+    @property
+    def policy_health(self) -> str:
+        """Hash: rollout worker name -> ``WorkerPolicy`` (the version it serves, its last
+        reload error), rewritten on every heartbeat of the worker's lease."""
+        return self.key("policy_health")
+
+    @property
+    def fault(self) -> str:
+        """A one-line reason why the run cannot make progress (a rollout worker stuck on an old
+        policy); the learner and ``streamrl demo`` stop with it."""
+        return self.key("fault")
+
     def session(self, task_id: str) -> str:
         return self.key("session", task_id)
 

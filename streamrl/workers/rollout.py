@@ -6,6 +6,13 @@ lease job re-enqueues a successor, so every worker always holds one and a new wo
 pulling tasks with no other action. The worker keeps nothing between episodes: each
 episode's session is checkpointed to Redis after every turn, and an episode whose worker died
 is reclaimed by another worker after ``claim_idle_ms`` and resumed from its last committed turn.
+
+Policy health (``streamrl.health``): a lease starts by loading the newest announced policy
+version, and on every heartbeat asks the backend to look for a newer one and records the version
+it serves and its last reload error in the run's ``policy_health`` hash. A worker that stays
+more than ``max_staleness`` versions behind for longer than ``rollout.max_policy_lag_s`` stops
+taking tasks, cancels its episodes (their entries stay pending, for other workers to reclaim),
+sets the run's fault and fails the lease with ``PolicyStale``.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from streamrl import schema
+from streamrl import health, schema
 from streamrl.bus.keys import Keys
 from streamrl.bus.streams import (
     Entry,
@@ -33,6 +40,7 @@ from streamrl.config import RunConfig
 from streamrl.defaults import ROLLOUT_GROUP, ROLLOUT_QUEUE, SESSION_TTL_S
 from streamrl.envs import make_env
 from streamrl.policy import PolicyError, make_policy
+from streamrl.policy._versions import latest_version
 from streamrl.workers import leases
 from streamrl.workers.batcher import Batcher
 from streamrl.workers.context import (
@@ -71,6 +79,9 @@ class RolloutLease:
         self.commits: Batcher = Batcher(self._flush_commits)
         self.finishes: Batcher = Batcher(self._flush_finishes)
         self.cursor = "0-0"
+        self.health: schema.WorkerPolicy | None = None  # this worker's last policy record
+        self.stale: str | None = None  # set when the staleness guard trips: the lease fails
+        self._refreshing: asyncio.Task | None = None
 
     # ---------------------------------------------------------------- Redis calls (batched)
     async def _flush_commits(self, items: list[tuple[Entry, schema.Session]]) -> list[int]:
@@ -119,9 +130,64 @@ class RolloutLease:
             log.info("claimed", count=len(entries), own=own, consumer=self.consumer)
         return entries
 
+    # ---------------------------------------------------------------- policy health
+    async def _load_health(self) -> None:
+        """Pick up this worker's record from its previous lease (a worker already behind stays
+        behind since then: leases are shorter than ``max_policy_lag_s``), and drop the records
+        of workers that went quiet."""
+        now = time.time()
+        quiet = []
+        for field, raw in (await self.r.hgetall(self.keys.policy_health)).items():
+            record = health.decode(raw)
+            if record is None or not health.is_fresh(record, now):
+                quiet.append(field)
+            elif record.worker == self.consumer:
+                self.health = record
+        if quiet:
+            await self.r.hdel(self.keys.policy_health, *quiet)
+
+    async def _check_policy(self) -> None:
+        """Record the version this worker serves; trip the staleness guard, or take back the
+        fault this worker raised once it is recent enough again."""
+        cfg = self.config
+        latest = await latest_version(self.r, self.keys)
+        now = time.time()
+        record = health.observe(
+            self.health,
+            worker=self.consumer,
+            backend=self.policy.name,
+            version=self.policy.version,
+            newest=latest.version if latest is not None else None,
+            error=self.policy.reload_error,
+            max_staleness=health.max_staleness(cfg),
+            heartbeat_s=cfg.streams.heartbeat_s,
+            now=now,
+        )
+        reason = health.stale_reason(record, cfg.rollout.max_policy_lag_s, now)
+        if reason is not None:
+            record.fault = f"PolicyStale: {reason}"
+            await self.r.set(self.keys.fault, record.fault)
+            self.stale = reason
+            self.slot.set()  # wakes the lease loop if it waits for a free slot
+        elif record.behind_since is None and record.fault is not None:
+            if await self.r.get(self.keys.fault) == record.fault.encode():
+                await self.r.delete(self.keys.fault)
+            record.fault = None
+        self.health = record
+        await self.r.hset(self.keys.policy_health, self.consumer, schema.encode(record))
+
+    async def _policy_heartbeat(self) -> None:
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.create_task(self.policy.refresh())
+        try:
+            await self._check_policy()
+        except Exception as e:  # Redis trouble: the next heartbeat tries again
+            log.warning("policy health check failed", error=repr(e))
+
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.streams.heartbeat_s)
+            await self._policy_heartbeat()
             held = list(self.held.values())
             if not held:
                 continue
@@ -241,55 +307,73 @@ class RolloutLease:
             run=self.run_name,
             env_for=self._env,
         )
-        if self.on_ready is not None:
-            self.on_ready()
         rc = cfg.rollout
         end = started + (self.seconds if self.seconds is not None else rc.lease_seconds)
-        # visible in XINFO CONSUMERS (and `streamrl status`) before its first delivery
-        await self.r.xgroup_createconsumer(self.keys.tasks, ROLLOUT_GROUP, self.consumer)
-        heartbeat = asyncio.create_task(self._heartbeat_loop())
+        heartbeat = None
         try:
-            self._start(await self._claim(own=True, count=rc.max_concurrent))
-            next_stale = next_halt = 0.0
-            low_water = max(1, min(rc.read_batch, rc.max_concurrent) // 2)
-            while time.monotonic() < end:
-                cap = rc.max_concurrent - len(self.active)
-                if cap < low_water and self.active:
-                    self.slot.clear()
-                    try:
-                        await asyncio.wait_for(self.slot.wait(), timeout=end - time.monotonic())
-                    except TimeoutError:
-                        break
-                    continue
-                now = time.monotonic()
-                if now >= next_halt:
-                    next_halt = now + 0.5
-                    if await self.r.exists(self.keys.halt):
-                        break
-                if now >= next_stale:
-                    next_stale = now + max(0.2, cfg.streams.claim_idle_ms / 2000)
-                    self._start(await self._claim(own=False, count=cap))
-                    cap = rc.max_concurrent - len(self.active)
-                    if cap <= 0:
-                        continue
-                block = int(min(cfg.streams.block_ms, max(1.0, (end - now) * 1000)))
-                resp = await self.r.xreadgroup(
-                    ROLLOUT_GROUP,
-                    self.consumer,
-                    {self.keys.tasks: ">"},
-                    count=min(cap, rc.read_batch),
-                    block=block,
-                )
-                self._start(parse_read(resp))
-            if self.active:
-                await asyncio.wait(list(self.active.values()), timeout=rc.drain_seconds)
-            for task in list(self.active.values()):
-                task.cancel()
+            await self._load_health()
+            await self.policy.refresh()  # serve the newest version from the first task on
+            await self._check_policy()
+            if self.stale is None:
+                # a lease that fails here queues no successor: the worker's backoff decides
+                if self.on_ready is not None:
+                    self.on_ready()
+                # visible in XINFO CONSUMERS (and `streamrl status`) before its first delivery
+                await self.r.xgroup_createconsumer(self.keys.tasks, ROLLOUT_GROUP, self.consumer)
+                heartbeat = asyncio.create_task(self._heartbeat_loop())
+                await self._consume(end)
         finally:
-            heartbeat.cancel()
+            for task in (heartbeat, self._refreshing):
+                if task is not None:
+                    task.cancel()
             await self.policy.close()
+        if self.stale is not None:
+            log.error("policy too stale; lease fails", reason=self.stale, **self.counts)
+            raise health.PolicyStale(self.stale)
         log.info("lease done", run=self.run_name, consumer=self.consumer, **self.counts)
         return self.counts
+
+    async def _consume(self, end: float) -> None:
+        """Run episodes until the lease's end, a halt, or the staleness guard trips (then the
+        episodes are cancelled at once: their entries stay pending for other workers)."""
+        cfg, rc = self.config, self.config.rollout
+        self._start(await self._claim(own=True, count=rc.max_concurrent))
+        next_stale = next_halt = 0.0
+        low_water = max(1, min(rc.read_batch, rc.max_concurrent) // 2)
+        while time.monotonic() < end and self.stale is None:
+            cap = rc.max_concurrent - len(self.active)
+            if cap < low_water and self.active:
+                self.slot.clear()
+                try:
+                    await asyncio.wait_for(self.slot.wait(), timeout=end - time.monotonic())
+                except TimeoutError:
+                    break
+                continue
+            now = time.monotonic()
+            if now >= next_halt:
+                next_halt = now + 0.5
+                if await self.r.exists(self.keys.halt):
+                    break
+            if now >= next_stale:
+                next_stale = now + max(0.2, cfg.streams.claim_idle_ms / 2000)
+                self._start(await self._claim(own=False, count=cap))
+                cap = rc.max_concurrent - len(self.active)
+                if cap <= 0:
+                    continue
+            block = int(min(cfg.streams.block_ms, max(1.0, (end - now) * 1000)))
+            resp = await self.r.xreadgroup(
+                ROLLOUT_GROUP,
+                self.consumer,
+                {self.keys.tasks: ">"},
+                count=min(cap, rc.read_batch),
+                block=block,
+            )
+            if self.stale is None:  # else left pending, for other workers to claim
+                self._start(parse_read(resp))
+        if self.active and self.stale is None:
+            await asyncio.wait(list(self.active.values()), timeout=rc.drain_seconds)
+        for task in list(self.active.values()):
+            task.cancel()
 
 
 def lease(run: str, seconds: float | None = None) -> dict[str, Any]:
