@@ -25,6 +25,7 @@ from rich.console import Group as RichGroup
 from rich.live import Live
 from rich.table import Table
 
+from streamrl import health
 from streamrl.config import PolicyConfig, RolloutConfig, RunConfig
 from streamrl.envs import make_env
 from streamrl.pipeline import LocalPipeline
@@ -182,6 +183,7 @@ def train_demo(
                         first_step_at = time.monotonic() - started
                     if max_steps is not None and step >= max_steps:
                         break
+                    health.check_fault(p.r, p.keys)  # a stuck rollout worker: one line, exit 1
                     if learner_proc.poll() is not None:
                         raise RuntimeError(f"the learner exited; see {p.dir}/logs/learner.log")
                     if live and time.monotonic() - drawn >= 1.0:

@@ -1,6 +1,6 @@
 """What ``streamrl status`` shows: per stage the stream length, consumer-group lag and pending
-count, dead letters, rq workers per queue, groups completed, the policy version and the
-learner's progress."""
+count, dead letters, rq workers per queue, groups completed, the policy version, the
+learner's progress, and per rollout worker the policy version it serves (``health``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.bus.streams import stage_groups
 from streamrl.defaults import ROLLOUT_QUEUE, VERIFY_QUEUE
+from streamrl.health import policy_health
 
 
 def _s(v: Any) -> Any:
@@ -82,4 +83,5 @@ def collect(r: redis.Redis, run: str) -> dict[str, Any]:
         "rq": workers,
         "learner": learner,
         "producer": producer_state(r, keys),
+        "policy_health": policy_health(r, keys),
     }

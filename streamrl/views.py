@@ -10,6 +10,7 @@ import redis
 from rich.console import Group as RichGroup
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from streamrl import schema
 from streamrl.bus.keys import Keys
@@ -52,7 +53,33 @@ def status_table(info: dict[str, Any]) -> Table:
         foot.add_row("producer", f"waiting {pr.get('waiting_s', 0)} s", "", str(pr.get("message")))
     elif pr:
         foot.add_row("producer", str(pr.get("state")), "in flight", str(pr.get("in_flight")))
-    return RichGroup(t, foot)  # type: ignore[return-value]
+    parts: list[Any] = [t, foot]
+    health = info.get("policy_health") or {}
+    if health.get("fault"):
+        parts.append(Text(f"FAULT: {health['fault']}", style="bold red"))
+    if health.get("workers"):
+        parts.append(policy_health_table(health["workers"]))
+    return RichGroup(*parts)  # type: ignore[return-value]
+
+
+def policy_health_table(workers: dict[str, dict[str, Any]]) -> Table:
+    """Per rollout worker: the policy version it serves, how far behind the newest announced
+    one, for how long beyond ``max_staleness``, and why its last reload failed."""
+    t = Table(title="policy by rollout worker")
+    for col in ("worker", "version", "newest", "lag", "behind for", "last reload error"):
+        t.add_column(col)
+    for name, w in workers.items():
+        behind = w.get("behind_s")
+        t.add_row(
+            name,
+            str(w.get("version")),
+            str(w.get("newest")),
+            str(w.get("lag")),
+            "-" if behind is None else f"{behind:.0f} s",
+            w.get("error") or "-",
+            style="red" if behind is not None or w.get("error") else None,
+        )
+    return t
 
 
 class RewardFeed:

@@ -12,6 +12,10 @@ are acked and skipped, the rest are processed again, in the same order as the fi
 Training is deterministic given the checkpoint and that order (seeded, one fixed code path),
 so a learner killed at any moment and restarted ends with bitwise the same weights.
 
+Faults. When the run's fault key is set (a rollout worker stuck on an old policy, see
+``streamrl.health``), the learner checkpoints what it has and stops with ``RunFaulted``: one
+line with the reason, exit status 1 from ``streamrl learn``.
+
 A step's decisions are all taken when its batch completes: the entries read since the
 previous step (accepted or dropped) are folded into the state together, so a checkpoint
 never covers an accepted group that is still waiting for its batch.
@@ -34,7 +38,7 @@ import redis
 import structlog
 import torch
 
-from streamrl import schema
+from streamrl import health, schema
 from streamrl.bus.keys import Keys
 from streamrl.bus.streams import ensure_groups
 from streamrl.connection import connect, resolve_url
@@ -251,7 +255,8 @@ def run_learner(
 ) -> LearnerState:
     """Train until ``total_steps`` (if set), until ``stop`` is set (SIGTERM/SIGINT set it in
     the main thread), or until no group arrived for ``exit_when_idle`` seconds. Returns the
-    final state; the last step is checkpointed and acked on the way out."""
+    final state; the last step is checkpointed and acked on the way out. Raises
+    ``health.RunFaulted`` (after that checkpoint) when the run's fault key is set."""
     cfg = config
     stop = stop or threading.Event()
     _stop_on_signals(stop)
@@ -262,6 +267,7 @@ def run_learner(
     out = cfg.out_dir(run)
     r = connect(url, resilient=True)
     keys = Keys(run)
+    health.check_fault(r, keys)  # before loading anything
     ensure_groups(r, keys)
 
     model, tokenizer, device = load_model(cfg)
@@ -290,7 +296,11 @@ def run_learner(
     lrn.report()
 
     idle_since = time.monotonic()
+    fault = None
     while not stop.is_set() and not lrn.done():
+        fault = health.fault(r, keys)
+        if fault is not None:
+            break
         rows = lrn.read(">", cfg.block_ms)
         if rows:
             idle_since = time.monotonic()
@@ -304,10 +314,12 @@ def run_learner(
 
     if state.step > state.checkpoint_step:
         lrn.checkpoint()
-    lrn.report(status="stopped")
+    lrn.report(status="stopped" if fault is None else "faulted")
     log.info("learner stopped", step=state.step, **msgspec.structs.asdict(state.counters))
     with contextlib.suppress(redis.RedisError):
         r.close()
+    if fault is not None:
+        raise health.RunFaulted(health.one_line(fault))
     return state
 
 
