@@ -1,11 +1,12 @@
 """The rollout worker: an rq *lease job* that consumes the ``tasks`` stream for a bounded time,
 running many episodes concurrently with asyncio.
 
-Start workers with ``rq worker -S json srl-rollout`` (or ``streamrl worker rollout``); each
-lease job re-enqueues a successor, so every worker always holds one and a new worker starts
-pulling tasks with no other action. The worker keeps nothing between episodes: each
-episode's session is checkpointed to Redis after every turn, and an episode whose worker died
-is reclaimed by another worker after ``claim_idle_ms`` and resumed from its last committed turn.
+Start workers with ``rq worker -w streamrl.workers.LeaseWorker srl-rollout`` (or ``streamrl
+worker rollout``); an idle LeaseWorker queues a lease for every run that has none waiting, so
+every worker always holds one and a new worker starts pulling tasks with no other action.
+The worker keeps nothing between episodes: each episode's session is checkpointed to Redis
+after every turn, and an episode whose worker died is reclaimed by another worker after
+``claim_idle_ms`` and resumed from its last committed turn.
 
 Policy health (``streamrl.health``): a lease starts by loading the newest announced policy
 version, and on every heartbeat asks the backend to look for a newer one and records the version
