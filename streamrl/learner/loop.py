@@ -99,6 +99,7 @@ class Learner:
     window: Window = field(default_factory=Window)
     unacked: list[str] = field(default_factory=list)
     last: StepStats | None = None
+    last_taken: str = "0-0"  # the newest entry id handed to take()
     group_size: int = 0  # from the run config; sets the admission limit the producer obeys
 
     @property
@@ -127,10 +128,17 @@ class Learner:
             out.extend(rows)
             start = rows[-1][0]
 
+    def read_lost(self) -> list[tuple[str, dict]]:
+        """Entries delivered to us that we never saw. redis-py re-sends a command after a
+        dropped connection (a Redis restart); if the first XREADGROUP had been served, its
+        entries sit in our pending list, newer than anything taken, until we read them."""
+        return self.read(self.last_taken, None)
+
     # -- one entry
     def take(self, entry_id: str, fields: dict | None) -> None:
         """Decide about one entry: accept into the batch, or drop and count."""
         w = self.window
+        self.last_taken = entry_id
         w.ids.append(entry_id)
         w.counters.groups_consumed += 1
         try:
@@ -301,7 +309,7 @@ def run_learner(
         fault = health.fault(r, keys)
         if fault is not None:
             break
-        rows = lrn.read(">", cfg.block_ms)
+        rows = lrn.read(">", cfg.block_ms) or lrn.read_lost()
         if rows:
             idle_since = time.monotonic()
         for entry_id, fields in rows:

@@ -1,0 +1,51 @@
+"""A delivery whose reply never reached the learner (redis-py re-sends XREADGROUP after a
+dropped connection) is found in the learner's own pending list and trained on, not stranded."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+from groupdata import make_groups
+
+from streamrl import schema
+from streamrl.bus.keys import Keys
+from streamrl.bus.streams import ensure_groups
+from streamrl.defaults import LEARNER_GROUP
+from streamrl.learner.config import LearnerConfig
+from streamrl.learner.loop import run_learner
+
+
+def test_entries_delivered_but_never_seen_are_taken(redis_url, r, tiny_dir, tmp_path):
+    torch_threads = torch.get_num_threads()
+    keys = Keys("lost")
+    ensure_groups(r, keys)
+    groups = make_groups(tiny_dir, 4, seed=11)
+    cfg = LearnerConfig(
+        model=str(tiny_dir), output_dir=str(tmp_path / "out"), torch_threads=1, batch_groups=2,
+        checkpoint_every=1, sync_every=1, lr=1e-3, block_ms=100, max_staleness=100,
+    )  # fmt: skip
+    box: dict = {}
+    t = threading.Thread(
+        target=lambda: box.update(state=run_learner(redis_url, "lost", cfg, exit_when_idle=3.0))
+    )
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not r.hget(keys.learner, "step") and time.monotonic() < deadline:
+            time.sleep(0.05)  # the learner is up and reading
+        # add and deliver in one transaction: the learner's blocked read cannot win the race,
+        # exactly as if its own read had been served and the reply lost on the wire
+        pipe = r.pipeline(transaction=True)
+        for g in groups:
+            pipe.xadd(keys.groups, {"id": g.prompt_id, "p": schema.encode(g)})
+        pipe.xreadgroup(LEARNER_GROUP, cfg.consumer, {keys.groups: ">"})
+        delivered = pipe.execute()[-1]
+        assert len(delivered[0][1]) == 4
+    finally:
+        t.join(120)
+        torch.set_num_threads(torch_threads)
+    assert box["state"].step >= 1
+    # committed counters plus the open window: every delivered entry was taken, once
+    assert int(r.hget(keys.learner, "groups_consumed")) == 4
