@@ -15,7 +15,7 @@ held are reclaimed from the consumer group by the next lease (``XAUTOCLAIM`` aft
 
 It also differs from rq's plain ``Worker`` in ways a long run needs:
 
-- it reads and writes jobs with rq's JSON serializer (no pickle), even without ``-S json``;
+- it reads and writes jobs with rq's JSON serializer, whatever ``-S`` says (no pickle);
 - it heartbeats every ``WORKER_HEARTBEAT_S`` while idle or busy, so ``streamrl status`` can
   count only live workers (a SIGKILLed worker's registration lingers in rq until its key
   expires);
@@ -83,9 +83,12 @@ def ensure_leases(r: redis.Redis, queue_names: list[str]) -> int:
 
 class LeaseWorker(Worker):
     def __init__(self, queues: Any, *args: Any, **kwargs: Any) -> None:
-        if kwargs.get("serializer") is None:
-            kwargs["serializer"] = JSONSerializer
+        # Always JSON: lease jobs are enqueued as JSON, and nothing read from Redis is ever
+        # unpickled. rq's CLI defaults -S to pickle, so its flag cannot be trusted here.
+        kwargs["serializer"] = JSONSerializer
         super().__init__(queues, *args, **kwargs)
+        for q in self.queues:  # the CLI built these with its -S flag
+            q.serializer = self.serializer
         make_resilient(self.connection)
         self.job_monitoring_interval = min(self.job_monitoring_interval, WORKER_HEARTBEAT_S)
         self.worker_ttl = min(self.worker_ttl, WORKER_TTL_S)
