@@ -40,9 +40,12 @@ def status_table(info: dict[str, Any]) -> Table:
     )
     foot.add_row("dead letters", str(info["dead_letters"]), "policy", str(info["policy_version"]))
     for q, w in info["rq"].items():
-        foot.add_row(
-            q, f"{w['workers']} workers ({w['busy']} busy)", "queued", str(w["queued_leases"])
-        )
+        dead = w.get("registered", w["workers"]) - w["workers"]
+        live = f"{w['workers']} live ({w['busy']} busy)" + (f", {dead} dead" if dead else "")
+        foot.add_row(q, live, "queued leases", str(w["queued_leases"]))
+        if w.get("failed_leases"):
+            last = str(w.get("last_failure") or "")
+            foot.add_row("", f"{w['failed_leases']} failed leases", "last", last[:160])
     if info.get("learner"):
         ln = info["learner"]
         foot.add_row(
