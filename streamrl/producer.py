@@ -446,7 +446,7 @@ def admission_limit(learner: dict[str, Any], group_size: int) -> int | None:
     if not learner:
         return None
     batch = int(learner.get("batch_groups", 8)) * group_size
-    return (int(learner.get("max_staleness", 4)) + 1) * batch
+    return (int(learner.get("max_staleness", d.MAX_STALENESS)) + 1) * batch
 
 
 class Producer:

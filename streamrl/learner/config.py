@@ -36,7 +36,7 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # -- batches
     batch_groups: int = 8  # groups per optimizer step
     micro_batch_size: int = 0  # sequences per forward/backward (gradient accumulation); 0 = all
-    max_staleness: int = 4  # drop groups sampled more than this many policy versions ago
+    max_staleness: int = d.MAX_STALENESS  # drop groups more than this many versions old
 
     # -- loss (TRL names)
     loss_type: str = "dapo"  # grpo | dr_grpo | dapo | bnpo
