@@ -25,6 +25,7 @@ from streamrl import defaults as d
 from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.bus.streams import Scripts
+from streamrl.bus.trim import trim_run
 from streamrl.envs import Environment
 
 BATCH = 256
@@ -192,6 +193,7 @@ class LearnerAdmission:
         drop_probe_s: float = d.ADMISSION_DROP_PROBE_S,
         memory_check_s: float = d.ADMISSION_MEMORY_CHECK_S,
         tell_every_s: float = d.ADMISSION_TELL_EVERY_S,
+        retention_ms: int = d.RETENTION_MS,
     ):
         if not 0.0 <= max_drop_fraction <= 1.0:
             raise ValueError(f"max_drop_fraction must be in [0, 1], got {max_drop_fraction}")
@@ -206,6 +208,7 @@ class LearnerAdmission:
         self.redis_memory_mb = redis_memory_mb
         self.drop_probe_s = drop_probe_s
         self.memory_check_s = memory_check_s
+        self.retention_ms = retention_ms
         self.tell_every_s = tell_every_s
         self.waited_s = 0.0
         self.probes = 0
@@ -240,6 +243,7 @@ class LearnerAdmission:
             max_drop_fraction=a.max_drop_fraction,
             redis_memory_mb=a.redis_memory_mb,
             drop_probe_s=a.drop_probe_s,
+            retention_ms=cfg.streams.retention_ms,
             **kw,
         )
 
@@ -316,6 +320,10 @@ class LearnerAdmission:
         else:
             budget, source = min(budgets)
             self._memory = Memory(int(info["used_memory"]), budget, source)
+            if self._memory.over:
+                # Trim here too: verifier leases trim as they end, but with nothing left to
+                # verify no lease runs, and memory would never fall.
+                trim_run(self.r, self.keys.run, self.retention_ms)
         return self._memory
 
     def hold(self, n: int, gate: Gate, mem: Memory | None, since: float) -> Hold | None:

@@ -3,8 +3,9 @@
 Start it with ``rq worker -w streamrl.workers.LeaseWorker srl-rollout`` (``streamrl worker``
 does). The invariant it keeps:
 
-    Whenever a LeaseWorker is idle, every listed run (not halted) has a lease job waiting on
-    each of the worker's queues; the idle worker then takes one itself.
+    Whenever a LeaseWorker is idle, every listed run (not halted) that has work for one of
+    the worker's queues (entries not yet delivered, or delivered and not yet acked) has a
+    lease job waiting on that queue; the idle worker then takes one itself.
 
 Lease jobs still queue a successor when they end, but liveness no longer rests on that chain:
 a lease killed with its worker (between dequeue and top-up, at lease end, every lease of a
@@ -70,14 +71,16 @@ def listed_runs(r: redis.Redis) -> list[str]:
 
 
 def ensure_leases(r: redis.Redis, queue_names: list[str]) -> int:
-    """Queue a lease for every listed run on each of these queues that has none waiting."""
+    """Queue a lease for every listed run that has work on each of these queues and no lease
+    waiting there."""
     names = [q for q in queue_names if q in leases.ROLES]
     if not names:
         return 0
     added = 0
     for run in listed_runs(r):
         for name in names:
-            added += leases.top_up(r, name, run)
+            if leases.has_work(r, name, run):
+                added += leases.top_up(r, name, run)
     return added
 
 

@@ -73,6 +73,34 @@ def top_up(
     return missing
 
 
+def has_work(r: redis.Redis, name: str, run: str) -> bool:
+    """Whether the stream this queue's leases read has entries not yet delivered, or entries
+    delivered and not yet acked (held by a live lease, or left by a dead one to reclaim).
+    A run with neither needs no lease: leases for idle runs would only take turns on the
+    workers with the runs that have work. A run whose policy fault is set needs rollout
+    leases too: only a lease that loads the policy again can clear it."""
+    from streamrl.bus.keys import Keys
+    from streamrl.defaults import ROLLOUT_GROUP, VERIFY_GROUP
+
+    keys = Keys(run)
+    stream, group = {
+        "srl-rollout": (keys.tasks, ROLLOUT_GROUP),
+        "srl-verify": (keys.rollouts, VERIFY_GROUP),
+    }[name]
+    if name == "srl-rollout" and r.exists(keys.fault):
+        return True
+    try:
+        groups = r.xinfo_groups(stream)
+    except redis.ResponseError:  # no stream yet
+        return False
+    for g in groups:
+        gname = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
+        if gname == group:
+            lag = g.get("lag")  # None when Redis cannot tell (after XDEL / trimming)
+            return lag is None or lag > 0 or g.get("pending", 0) > 0
+    return False
+
+
 def workers(r: redis.Redis, name: str) -> list[Worker]:
     """Every worker rq has registered on the queue, dead ones included (see ``live``)."""
     return Worker.all(queue=queue(r, name))
@@ -137,6 +165,6 @@ def run_lease(run: str, name: str, stage: str, body: Callable[[redis.Redis], dic
     configure()
     structlog.contextvars.bind_contextvars(run=run, worker=consumer_name(), stage=stage)
     counts = body(conn)
-    if not conn.exists(halt):
+    if not conn.exists(halt) and has_work(conn, name, run):
         top_up(conn, name, run)
     return counts

@@ -128,3 +128,32 @@ def test_durable_redis_comes_back_on_its_port_with_its_data(tmp_path):
         again.stop()
     finally:
         first.stop()
+
+
+def test_idle_workers_queue_leases_only_for_runs_with_work(r):
+    """A run with nothing to do gets no lease (it would only take turns on the workers with the
+    runs that have work); one with undelivered or unacked entries gets exactly one per queue."""
+    from streamrl.bus.keys import Keys
+    from streamrl.bus.streams import ensure_groups
+    from streamrl.workers.context import write_config
+    from streamrl.workers.lease_worker import ensure_leases
+
+    for run in ("busy", "idle", "halted"):
+        write_config(r, RunConfig(run=run))
+        ensure_groups(r, Keys(run))
+    r.xadd(Keys("busy").tasks, {"p": b"x"})
+    r.xadd(Keys("halted").tasks, {"p": b"x"})
+    r.set(Keys("halted").halt, 1)
+    queues = [ROLLOUT_QUEUE, VERIFY_QUEUE]
+    assert ensure_leases(r, queues) == 1
+    assert ensure_leases(r, queues) == 0  # one waiting is enough
+    (job,) = _queue(r, ROLLOUT_QUEUE).get_jobs()
+    assert job.args[0] == "busy" and _queue(r, VERIFY_QUEUE).count == 0
+    # delivered but never acked (its worker died) is work too
+    _queue(r, ROLLOUT_QUEUE).empty()
+    r.xreadgroup("rollout", "dead-worker", {Keys("busy").tasks: ">"})
+    assert ensure_leases(r, queues) == 1
+    # a run whose config is gone is unlisted
+    r.delete(Keys("idle").config)
+    ensure_leases(r, queues)
+    assert b"idle" not in r.smembers("srl:runs")
