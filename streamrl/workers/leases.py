@@ -73,6 +73,18 @@ def top_up(
     return missing
 
 
+def top_up_if_work(r: redis.Redis, name: str, run: str, at_most_every_s: float = 0.0) -> int:
+    """``top_up`` for a run that is not halted and still has work on this queue. Leases call it
+    as they start (so a second worker finds a lease while the first is busy) and as they end;
+    a run with nothing left gets no successor, so an idle run does not keep a chain of empty
+    leases turning (idle ``LeaseWorker``s queue one again when work arrives)."""
+    from streamrl.bus.keys import Keys
+
+    if r.exists(Keys(run).halt) or not has_work(r, name, run):
+        return 0
+    return top_up(r, name, run, at_most_every_s=at_most_every_s)
+
+
 def has_work(r: redis.Redis, name: str, run: str) -> bool:
     """Whether the stream this queue's leases read has entries not yet delivered, or entries
     delivered and not yet acked (held by a live lease, or left by a dead one to reclaim).
@@ -165,6 +177,5 @@ def run_lease(run: str, name: str, stage: str, body: Callable[[redis.Redis], dic
     configure()
     structlog.contextvars.bind_contextvars(run=run, worker=consumer_name(), stage=stage)
     counts = body(conn)
-    if not conn.exists(halt) and has_work(conn, name, run):
-        top_up(conn, name, run)
+    top_up_if_work(conn, name, run)
     return counts

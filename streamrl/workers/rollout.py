@@ -387,7 +387,7 @@ def lease(run: str, seconds: float | None = None) -> dict[str, Any]:
 async def _lease(conn: Any, run: str, seconds: float | None) -> dict[str, Any]:
     r = async_twin(conn)
     try:
-        ready = lambda: leases.top_up(conn, ROLLOUT_QUEUE, run, at_most_every_s=1.0)  # noqa: E731
+        ready = lambda: leases.top_up_if_work(conn, ROLLOUT_QUEUE, run, at_most_every_s=1.0)  # noqa: E731
         lease = RolloutLease(r, run, consumer_name(), seconds, on_ready=ready, url=url_of(conn))
         return await lease.run()
     finally:

@@ -210,7 +210,7 @@ class VerifyLease:
         if cfg is None:
             return self.counts
         self.config = cfg
-        leases.top_up(self.r, VERIFY_QUEUE, self.run_name, at_most_every_s=1.0)
+        leases.top_up_if_work(self.r, VERIFY_QUEUE, self.run_name, at_most_every_s=1.0)
         vc = cfg.verify
         end = started + (self.seconds if self.seconds is not None else vc.lease_seconds)
         self.r.xgroup_createconsumer(self.keys.rollouts, VERIFY_GROUP, self.consumer)
