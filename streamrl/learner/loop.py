@@ -37,12 +37,13 @@ import msgspec
 import redis
 import structlog
 import torch
+from click.core import ParameterSource
 
 from streamrl import health, schema
 from streamrl.bus.keys import Keys
 from streamrl.bus.streams import ensure_groups
 from streamrl.connection import connect, resolve_url
-from streamrl.defaults import DEFAULT_RUN, LEARNER_GROUP
+from streamrl.defaults import DEFAULT_RUN, LEARNER_GROUP, RUN_DIR
 from streamrl.learner import publish
 from streamrl.learner._failpoints import failpoint
 from streamrl.learner.batch import has_tokens, is_zero_variance, make_batch, staleness
@@ -361,7 +362,12 @@ def learn_command(
     cfg = load_learner_config(
         config_path, model=model, output_dir=output_dir, device=device, total_steps=total_steps
     )
-    resolved = resolve_url(url)
+    # `streamrl --redis URL --run R learn ...`: the group's options count as well as our own
+    root = click.get_current_context().find_root()
+    url = url or root.params.get("redis_url")
+    if run is None and root.get_parameter_source("run") not in (None, ParameterSource.DEFAULT):
+        run = root.params["run"]
+    resolved = resolve_url(url, root.params.get("run_dir") or RUN_DIR)
     if not resolved:
         raise click.UsageError("no Redis: pass --redis URL, set STREAMRL_REDIS_URL or run `up`")
     if run is None:
