@@ -7,12 +7,13 @@ does). The invariant it keeps:
     the worker's queues (entries not yet delivered, or delivered and not yet acked) has a
     lease job waiting on that queue; the idle worker then takes one itself.
 
-Lease jobs still queue a successor when they end, but liveness no longer rests on that chain:
-a lease killed with its worker (between dequeue and top-up, at lease end, every lease of a
-queue at once) leaves nothing behind that anyone must restart, because any idle worker, or any
-worker started later, recreates the lease within ``IDLE_CHECK_S``. The entries a dead lease
-held are reclaimed from the consumer group by the next lease (``XAUTOCLAIM`` after
-``claim_idle_ms``), so no stream entry depends on a particular process surviving.
+Lease jobs still queue a successor as they start and end (while their run has work), but
+liveness no longer rests on that chain: a lease killed with its worker (between dequeue and
+top-up, at lease end, every lease of a queue at once) leaves nothing behind that anyone must
+restart, because any idle worker, or any worker started later, recreates the lease within
+``IDLE_CHECK_S``. The entries a dead lease held are reclaimed from the consumer group by the
+next lease (``XAUTOCLAIM`` after ``claim_idle_ms``), so no stream entry depends on a
+particular process surviving.
 
 It also differs from rq's plain ``Worker`` in ways a long run needs:
 

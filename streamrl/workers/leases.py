@@ -1,7 +1,9 @@
 """rq glue. rq is the process and control layer: it starts, counts and restarts workers; the
 data travels on streams. A *lease job* is the only thing on an rq queue: one job consumes a
-stream for a bounded time. Every lease tops the queue up so that one job always waits there,
-which is what lets ``rq worker`` processes be added or removed at any time.
+stream for a bounded time. While its run has work, every lease tops the queue up so that one
+job always waits there, which is what lets ``rq worker`` processes be added or removed at any
+time; idle ``LeaseWorker``s queue one when none waits (``lease_worker``), so that chain is a
+fast path, not what liveness rests on.
 
 Jobs are enqueued with rq's JSON serializer (workers run with ``-S json``), so nothing rq reads
 from Redis is unpickled either.
