@@ -34,12 +34,13 @@ from pathlib import Path
 from streamrl import schema
 from streamrl.config import PolicyConfig, RolloutConfig, RunConfig, StreamConfig, VerifyConfig
 from streamrl.connection import make_resilient
-from streamrl.defaults import ROLLOUT_QUEUE, VERIFY_QUEUE
+from streamrl.defaults import ROLLOUT_GROUP, ROLLOUT_QUEUE, VERIFY_GROUP, VERIFY_QUEUE
 from streamrl.embedded import EmbeddedRedis
 from streamrl.envs import make_env
 from streamrl.pipeline import LocalPipeline, task_ids, xrange_all
 from streamrl.procs import descendants
 from streamrl.producer import Producer
+from streamrl.status import collect
 
 KINDS = ("tree", "main", "horse")
 MOMENTS = ("random", "lease-start", "lease-end")
@@ -260,10 +261,10 @@ class _Chaos:
         if cfg.redis_restart:
             plan.insert(self.rng.randrange(n // 3, max(n // 3 + 1, 2 * n // 3)), "redis")
         drained = lambda: self._done()[0] >= self.pushed  # noqa: E731
-        every = cfg.kill_every_s or 0.7 * self._undisturbed_s() / len(plan)
+        every = cfg.kill_every_s or 0.7 * self._undisturbed_s() / max(1, len(plan))
         for what in plan:
             gap = self.rng.expovariate(1.0 / every)
-            self._watch_until(time.monotonic() + gap, lambda: False)
+            self._watch_until(min(deadline, time.monotonic() + gap), lambda: False)
             if time.monotonic() > deadline:
                 break
             self._keep_busy()
@@ -301,7 +302,7 @@ class _Chaos:
             rewards[schema.SCORE.decode(f[b"p"]).reward] += 1
         kinds = Counter(f.kind for f in self.faults)
         moments = Counter(f.moment for f in self.faults if f.role != "redis")
-        return {
+        report = {
             "seed": cfg.seed,
             "prompts": self.pushed,
             "samples": len(expected),
@@ -326,6 +327,36 @@ class _Chaos:
             "seconds": round(end - t0, 2),
             "faults": [asdict(f) for f in self.faults],
         }
+        if not ok:
+            report["at_end"] = self._snapshot(p)
+        return report
+
+    def _snapshot(self, p: LocalPipeline) -> dict:
+        """Where the work waits when a run did not drain, and who holds it: the first thing to
+        look at (worker logs are under the run directory's ``logs/``)."""
+        view = collect(p.r, p.keys.run)
+        holding = {}
+        for stream, group in ((p.keys.tasks, ROLLOUT_GROUP), (p.keys.rollouts, VERIFY_GROUP)):
+            holding[group] = [
+                {"consumer": c["name"].decode(), "pending": c["pending"], "idle_ms": c["idle"]}
+                for c in p.r.xinfo_consumers(stream, group)
+                if c["pending"]
+            ]
+        return {
+            "stages": view["stages"],
+            "rq": view["rq"],
+            "consumers_holding": holding,
+            "orphan_horses_alive": [pid for pid in self.orphans if _alive_pid(pid)],
+            "directory": str(self.dir),
+        }
+
+
+def _alive_pid(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def chaos_bench(

@@ -341,19 +341,38 @@ def bench_pipeline(tasks, group_size, turns, rollout_workers, verify_workers, as
 
 
 @bench.command("chaos")
-@click.option("--kills", default=20, show_default=True, help="Worker SIGKILLs.")
+@click.option(
+    "--kills", type=click.IntRange(min=0), default=20, show_default=True, help="Worker SIGKILLs."
+)
 @click.option("--seed", default=0, show_default=True)
-@click.option("--prompts", default=400, show_default=True)
-@click.option("--rollout-workers", default=3, show_default=True)
-@click.option("--verify-workers", default=2, show_default=True)
+@click.option("--prompts", type=click.IntRange(min=1), default=400, show_default=True)
+@click.option("--rollout-workers", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--verify-workers", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option(
     "--redis-restart/--no-redis-restart",
     default=True,
     show_default=True,
     help="Also SIGKILL redis-server once and restart it from its AOF.",
 )
+@click.option(
+    "--timeout-s",
+    type=click.FloatRange(min=1),
+    default=600,
+    show_default=True,
+    help="Give up (and report drained: false) after this long.",
+)
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Keep the run here (worker logs, Redis AOF); default: a temporary directory.",
+)
 @click.option("--json", "as_json", is_flag=True)
-def bench_chaos(kills, seed, prompts, rollout_workers, verify_workers, redis_restart, as_json):
+def bench_chaos(
+    kills, seed, prompts, rollout_workers, verify_workers, redis_restart, timeout_s, directory,
+    as_json,
+):  # fmt: skip
     """Kill workers (whole tree, rq main, work horse; at random and at lease boundaries) and
     Redis at random, then check that every prompt ends as exactly one complete group.
     Exits 1 if anything was lost, doubled or dead-lettered."""
@@ -366,8 +385,12 @@ def bench_chaos(kills, seed, prompts, rollout_workers, verify_workers, redis_res
         rollout_workers=rollout_workers,
         verify_workers=verify_workers,
         redis_restart=redis_restart,
+        timeout_s=timeout_s,
     )
-    res = chaos_bench(cfg, progress=None if as_json else lambda m: click.echo(m, err=True))
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    say = None if as_json else lambda m: click.echo(m, err=True)
+    res = chaos_bench(cfg, directory=directory, progress=say)
     if as_json:
         res = {k: v for k, v in res.items() if k != "faults"}
     click.echo(json.dumps(res) if as_json else json.dumps(res, indent=2))
