@@ -4,6 +4,7 @@ the learner was down (admission control) and that Redis stayed under its memory 
 
     python bench/learner_down.py [--steps 30] [--kills 3] [--down-s 5]
                                  [--learner-down-s 0] [--redis-memory-mb 1024]
+                                 [--max-staleness N]
 
 Everything runs on a private redis-server: one rq rollout worker (hf backend, the tiny Llama of
 ``streamrl.models.tiny``) and one rq verifier, ``streamrl produce --config ... --count N`` and
@@ -12,10 +13,12 @@ Everything runs on a private redis-server: one rq rollout worker (hf backend, th
 from ``--checkpoint-every``). The learner is killed after evenly spaced steps, stays down for
 ``--down-s`` seconds, and is started again with the same command. ``--learner-down-s S`` adds
 one long outage (S seconds, e.g. 600) before the last restart, sampling Redis ``used_memory``
-every ``--sample-s`` seconds. ``--stale-lag N`` makes the rollout workers serve the policy N
-versions behind the newest (hf option ``lag_versions``), the incident where every group is
-dropped as stale: it runs for ``--seconds`` without kills, and the producer must stop after a
-bounded amount of waste (``--max-drop-fraction 1`` restores the old rule, for comparison).
+every ``--sample-s`` seconds; with ``--max-staleness 1000 --redis-memory-mb 12`` the window
+is wide and the memory budget is what holds the producer. ``--stale-lag N`` makes the rollout
+workers serve the policy N versions behind the newest (hf option ``lag_versions``), the
+incident where every group is dropped as stale: it runs for ``--seconds`` without kills, and
+the producer must stop after a bounded amount of waste (``--max-drop-fraction 1`` restores
+the old rule, for comparison).
 
 Prints one JSON object. Per restart: ``restart_to_first_step_s`` (restart -> the restarted
 learner's first optimizer step, i.e. the hash ``step`` past the checkpoint it restored),
@@ -73,6 +76,8 @@ def write_config(path: Path, model: Path, out: Path, args) -> RunConfig:
         policy["options"]["lag_versions"] = args.stale_lag
     learner = {**base["learner"], "model": str(model), "output_dir": str(out)}
     learner["checkpoint_every"] = args.checkpoint_every
+    if args.max_staleness is not None:  # a wide window, so that the memory budget binds first
+        learner["max_staleness"] = args.max_staleness
     lines = [f'run = "{RUN}"', f'env = "{base["env"]}"', f"group_size = {base['group_size']}"]
     tables = {
         "policy": policy,
@@ -278,7 +283,7 @@ class Run:
             waits = (
                 (self.logs / "producer.log").read_text(errors="replace").count("producer waiting (")
             )
-            budget = self.gate.memory()
+            budget = self.gate.memory(self.gate.gate(), fresh=True)
             used = [u for _, u in self.samples]
             return {
                 "steps_target": a.steps,
@@ -365,6 +370,9 @@ def main() -> None:
     ap.add_argument("--sample-s", type=float, default=2.0, help="used_memory sampling period")
     ap.add_argument("--redis-memory-mb", type=float, default=1024.0)
     ap.add_argument("--checkpoint-every", type=int, default=5)
+    ap.add_argument(
+        "--max-staleness", type=int, default=None, help="override the config's (window size)"
+    )
     ap.add_argument(
         "--max-drop-fraction", type=float, default=0.9, help="1.0: every drop settles (old rule)"
     )

@@ -89,6 +89,7 @@ class Gate:
     debt: int  # dropped samples that training has not paid for yet: they stay in flight
     limit: int | None  # the window, (max_staleness + 1) x batch samples
     learner: bool  # a learner has reported
+    filling: bool = False  # the learner holds a part-filled batch: it waits for more groups
 
     @property
     def pipeline(self) -> int:
@@ -102,13 +103,23 @@ class Gate:
 
 @dataclass
 class Memory:
+    """Redis memory against the budget, now and as the samples in flight will leave it."""
+
     used: int  # bytes, INFO used_memory
     budget: int  # bytes
     source: str  # which setting the budget comes from
+    coming: int = 0  # bytes the samples already pushed will add as they are rolled out,
+    # scored and grouped (a trajectory and its group entry weigh far more than a task)
+    per_sample: int = 0  # bytes one more pushed sample will cost once it is grouped
+    in_flight: int = 0  # samples pushed and not yet grouped (or dead-lettered)
 
     @property
     def over(self) -> bool:
         return self.used >= self.budget
+
+    def fits(self, n: int) -> bool:
+        """Whether ``n`` more samples, and everything already in flight, fit in the budget."""
+        return self.used + self.coming + n * self.per_sample < self.budget
 
 
 @dataclass
@@ -167,10 +178,17 @@ class LearnerAdmission:
     dropped counts, so replayed groups are neither credited nor charged twice, and the
     replay needs no new pushes.
 
-    **Memory budget.** The gate is also closed while Redis ``used_memory`` is at or above
-    ``redis_memory_mb`` MiB or ``0.8 x maxmemory`` (the smaller; INFO is read at most every
-    ``memory_check_s``). It reopens when memory falls (streams are trimmed behind their
-    slowest consumer and retention window, by verifier leases or ``streamrl trim``).
+    **Memory budget.** The budget is ``redis_memory_mb`` MiB or ``0.8 x maxmemory``, the
+    smaller. A sample costs little as a task and several times more once its trajectory,
+    score and group entry are written, so the gate projects: ``used_memory`` now, plus what
+    the samples already in flight will add (per stage, the stream's measured bytes per entry),
+    plus the ``n`` samples asked for, each at its measured whole-pipeline cost. It holds
+    while that projection reaches the budget, with one exception that keeps a run from
+    deadlocking: a learner holding a part-filled batch with nothing else on its way gets its
+    push (Redis may go one push over then). It always holds while ``used_memory`` is over.
+    Memory is read before every push and at most every ``memory_check_s`` while held. It
+    falls as streams are trimmed behind their slowest consumer; while held on memory the
+    producer trims too, with no retention window (the replay window gives way to the budget).
 
     **Saying so.** ``on_wait(hold)`` is told every ``tell_every_s`` while held (``Hold``:
     reason, message, figures, since), and the state (``running``/``waiting``/``done``, reason,
@@ -193,7 +211,6 @@ class LearnerAdmission:
         drop_probe_s: float = d.ADMISSION_DROP_PROBE_S,
         memory_check_s: float = d.ADMISSION_MEMORY_CHECK_S,
         tell_every_s: float = d.ADMISSION_TELL_EVERY_S,
-        retention_ms: int = d.RETENTION_MS,
     ):
         if not 0.0 <= max_drop_fraction <= 1.0:
             raise ValueError(f"max_drop_fraction must be in [0, 1], got {max_drop_fraction}")
@@ -208,7 +225,6 @@ class LearnerAdmission:
         self.redis_memory_mb = redis_memory_mb
         self.drop_probe_s = drop_probe_s
         self.memory_check_s = memory_check_s
-        self.retention_ms = retention_ms
         self.tell_every_s = tell_every_s
         self.waited_s = 0.0
         self.probes = 0
@@ -220,6 +236,7 @@ class LearnerAdmission:
         self._loaded = False
         self._memory: Memory | None = None
         self._memory_at = -float("inf")
+        self._trimmed_at = -float("inf")
         self._published_at = -float("inf")
         self._last_probe = -float("inf")
 
@@ -243,7 +260,6 @@ class LearnerAdmission:
             max_drop_fraction=a.max_drop_fraction,
             redis_memory_mb=a.redis_memory_mb,
             drop_probe_s=a.drop_probe_s,
-            retention_ms=cfg.streams.retention_ms,
             **kw,
         )
 
@@ -294,20 +310,30 @@ class LearnerAdmission:
             debt=debt,
             limit=limit,
             learner=any(x is not None for x in learner),
+            filling=waiting > 0,
         )
 
     def in_flight(self) -> tuple[int, int | None]:
         gate = self.gate()
         return gate.in_flight, gate.limit
 
-    def memory(self) -> Memory | None:
-        """Redis memory against the budget (None: no budget), read at most every
-        ``memory_check_s``."""
+    def memory(self, gate: Gate, fresh: bool = False) -> Memory | None:
+        """Redis memory against the budget (None: no budget), and what the pipeline will
+        still add to it; read when ``fresh``, else at most every ``memory_check_s``."""
         now = time.monotonic()
-        if now - self._memory_at < self.memory_check_s:
+        if not fresh and now - self._memory_at < self.memory_check_s:
             return self._memory
         self._memory_at = now
-        info = self.r.info("memory")
+        k = self.keys
+        streams = (k.tasks, k.rollouts, k.scored, k.groups)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.info("memory")
+        for stream in streams:
+            pipe.xlen(stream)
+            pipe.memory_usage(stream, samples=5)
+        pipe.hmget(k.stats, ["trajectories", "groups_completed", "groups_dropped"])
+        pipe.xlen(k.dead)
+        info, *rest = pipe.execute()
         budgets = []
         if self.redis_memory_mb > 0:
             budgets.append((int(self.redis_memory_mb * MiB), "[admission] redis_memory_mb"))
@@ -317,23 +343,52 @@ class LearnerAdmission:
             budgets.append((int(maxmemory * frac), f"{frac:.0%} of maxmemory"))
         if not budgets:
             self._memory = None
-        else:
-            budget, source = min(budgets)
-            self._memory = Memory(int(info["used_memory"]), budget, source)
-            if self._memory.over:
-                # Trim here too: verifier leases trim as they end, but with nothing left to
-                # verify no lease runs, and memory would never fall.
-                trim_run(self.r, self.keys.run, self.retention_ms)
+            return None
+        budget, source = min(budgets)
+        # bytes per entry of each stage's stream, measured (a prior until it has entries)
+        (tl, tm), (rl, rm), (sl, sm), (gl, gm) = (rest[2 * i : 2 * i + 2] for i in range(4))
+        prior = d.ADMISSION_SAMPLE_BYTES_PRIOR
+        per_task = (tm or 0) / tl if tl else prior
+        per_rollout = (rm or 0) / rl if rl else prior
+        per_score = (sm or 0) / sl if sl else prior
+        per_grouped = (gm or 0) / (gl * self.group_size) if gl else prior
+        trajectories, completed, dropped = (int(x or 0) for x in rest[8])
+        dead = int(rest[9] or 0)
+        grouped = (completed + dropped) * self.group_size
+        not_rolled = max(0, gate.pushed - trajectories - dead)
+        not_grouped = max(0, gate.pushed - grouped - dead)
+        self._memory = Memory(
+            used=int(info["used_memory"]),
+            budget=budget,
+            source=source,
+            coming=int(not_rolled * (per_rollout + per_score) + not_grouped * per_grouped),
+            per_sample=int(per_task + per_rollout + per_score + per_grouped),
+            in_flight=not_grouped,
+        )
         return self._memory
+
+    def trim(self) -> None:
+        """Held on memory: trim the run's streams behind their slowest consumer, with no
+        retention window (verifier leases trim as they end, but with nothing left to verify no
+        lease runs, and memory would never fall)."""
+        now = time.monotonic()
+        if now - self._trimmed_at >= self.memory_check_s:
+            self._trimmed_at = now
+            trim_run(self.r, self.keys.run, 0)
 
     def hold(self, n: int, gate: Gate, mem: Memory | None, since: float) -> Hold | None:
         """Why ``n`` more samples may not be pushed now, or None when they may."""
-        if mem is not None and mem.over:
+        # Past the budget only for a learner stuck on a part-filled batch with nothing else on
+        # its way: holding then would deadlock the run (one push over, at most).
+        stuck = gate.filling and mem is not None and mem.in_flight == 0
+        if mem is not None and (mem.over or (not mem.fits(n) and not stuck)):
             used, budget = mem.used / MiB, mem.budget / MiB
             return Hold(
                 MEMORY_BUDGET,
-                f"memory budget: Redis uses {used:.0f} MB of {budget:.0f} MB ({mem.source}); "
-                "waiting for the streams to be trimmed (or raise [admission] redis_memory_mb)",
+                f"memory budget: Redis uses {used:.0f} MB of {budget:.0f} MB ({mem.source}), "
+                f"and the {mem.in_flight} samples in flight will add {mem.coming / MiB:.0f} "
+                "MB; waiting for the pipeline and trimming (or raise [admission] "
+                "redis_memory_mb)",
                 gate.in_flight, gate.limit, since, gate.debt, round(used, 1), round(budget, 1),
             )  # fmt: skip
         limit = gate.limit
@@ -365,13 +420,20 @@ class LearnerAdmission:
         start = last_told = prev = time.monotonic()
         since = time.time()
         told_state = False
+        fresh = True  # admit only on a memory reading taken just now
         while True:
             gate = self.gate()
-            mem = self.memory()
+            mem = self.memory(gate, fresh=fresh)
             hold = self.hold(n, gate, mem, since)
             now = time.monotonic()
             if hold is None:
-                break
+                if fresh or mem is None:
+                    break
+                fresh = True
+                continue
+            fresh = False
+            if hold.reason == MEMORY_BUDGET:
+                self.trim()
             self.waits[hold.reason] = self.waits.get(hold.reason, 0.0) + (now - prev)
             prev = now
             if hold.reason == DROP_BUDGET and gate.pipeline <= 0 and self._probe_due(start, now):
@@ -419,6 +481,7 @@ class LearnerAdmission:
             "probes": self.probes,
             "used_memory_mb": round(mem.used / MiB, 1) if mem else "",
             "memory_budget_mb": round(mem.budget / MiB, 1) if mem else "",
+            "memory_coming_mb": round(mem.coming / MiB, 1) if mem else "",
             "pid": os.getpid(),
             "updated_at": now,
             "waste_balance": round(self.balance, 3) if self.balance is not None else "",
