@@ -29,6 +29,7 @@ It also differs from rq's plain ``Worker`` in ways a long run needs:
 
 from __future__ import annotations
 
+import importlib
 import time
 from typing import Any
 
@@ -97,6 +98,13 @@ class LeaseWorker(Worker):
         self.job_monitoring_interval = min(self.job_monitoring_interval, WORKER_HEARTBEAT_S)
         self.worker_ttl = min(self.worker_ttl, WORKER_TTL_S)
         self._failures = 0  # consecutive failed leases run by this worker
+        # Import the lease code now, in the process that forks the work horses: a horse then
+        # runs the code its worker started with. Imported in the horse, a newer file on disk
+        # (an upgrade under running workers) met older modules already loaded here, and every
+        # lease failed (AttributeError) until the worker was restarted.
+        for name in self.queue_names():
+            if name in leases.ROLES:
+                importlib.import_module(leases.ROLES[name].rsplit(".", 1)[0])
         self._ensure_after = 0.0  # monotonic time before which this worker queues no lease
 
     # -- the invariant
