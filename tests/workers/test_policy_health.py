@@ -104,9 +104,8 @@ def test_a_worker_that_cannot_load_the_policy_faults_the_run(
         Producer(p.r, run).from_env(make_env("copy"), PROMPTS, GROUP, seed=0)
         p.start_workers(rollout=1, verify=1)
         worker = p.procs.procs[0][0]
-        fault = wait_for(lambda: health.fault(p.r, p.keys), why="the run's fault")
-        failed = wait_for(lambda: failures(p, at_least=1), why="a failed rollout lease")
-        shown = collect(p.r, run)["policy_health"]
+        wait_for(lambda: health.fault(p.r, p.keys), why="the run's fault")
+        wait_for(lambda: failures(p, at_least=1), why="a failed rollout lease")
         # what the verifier was handed before the fault is scored; then nothing moves
         wait_for(
             lambda: (
@@ -116,6 +115,11 @@ def test_a_worker_that_cannot_load_the_policy_faults_the_run(
             why="the verifier to drain",
         )
         p.stop()
+        # read once the workers are gone: each failing lease writes the fault again, with a
+        # longer time behind, so a copy taken while they ran may be out of date
+        fault = health.fault(p.r, p.keys)
+        failed = failures(p, at_least=1)
+        shown = collect(p.r, run)["policy_health"]
         tasks = group_info(p, p.keys.tasks, ROLLOUT_GROUP)
         scores = [SCORE.decode(f[b"p"]) for _, f in xrange_all(p.r, p.keys.scored)]
         trajectories = [TRAJECTORY.decode(f[b"p"]) for _, f in xrange_all(p.r, p.keys.rollouts)]
