@@ -29,34 +29,63 @@ class Ctx:
                 "no Redis to talk to: pass --redis URL, set STREAMRL_REDIS_URL, or start a "
                 "private one in another terminal with `streamrl up`"
             )
-        return url
+        return _checked(url)
 
     def client(self, resilient: bool = False):
         """A client for this command. Long-lived roles (``produce``) pass ``resilient`` to
         ride out a Redis restart; the first ping still fails fast on a wrong URL."""
         import redis
 
-        from streamrl.connection import connect, make_resilient
+        from streamrl.connection import connect, make_resilient, redact
 
         url = self.url()
         r = connect(url)
         try:
             r.ping()
         except redis.RedisError as e:
-            raise click.ClickException(f"cannot reach Redis at {url}: {e}") from None
+            raise click.ClickException(redact(f"cannot reach Redis at {url}: {e}")) from None
         return make_resilient(r) if resilient else r
 
 
 pass_ctx = click.make_pass_decorator(Ctx)
 
 
-@click.group()
+def _checked(url: str) -> str:
+    from streamrl.connection import check_url
+
+    try:
+        return check_url(url)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+
+
+class Group(click.Group):
+    """No traceback reaches a user: an error that no command turned into a message becomes
+    one line, ``Error: <kind>: <what>`` with passwords masked, and exit status 1.
+    ``streamrl --debug`` (or ``STREAMRL_DEBUG=1``) lets the traceback through instead."""
+
+    def invoke(self, ctx: click.Context):  # type: ignore[override]
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except Exception as e:
+            if ctx.params.get("debug") or os.environ.get("STREAMRL_DEBUG", "") not in ("", "0"):
+                raise
+            from streamrl.connection import redact
+
+            text = " ".join(str(e).split()) or "(no message)"
+            raise click.ClickException(redact(f"{type(e).__name__}: {text}")) from None
+
+
+@click.group(cls=Group)
 @click.option("--redis", "redis_url", envvar="STREAMRL_REDIS_URL", help="Redis URL.")
 @click.option("--run", default=d.DEFAULT_RUN, envvar="STREAMRL_RUN", show_default=True)
 @click.option("--run-dir", default=d.RUN_DIR, show_default=True, help="Private Redis lives here.")
+@click.option("--debug", is_flag=True, help="Show the traceback of an unexpected error.")
 @click.version_option(package_name="streamrl")
 @click.pass_context
-def main(ctx: click.Context, redis_url: str | None, run: str, run_dir: str) -> None:
+def main(ctx: click.Context, redis_url: str | None, run: str, run_dir: str, debug: bool) -> None:
     """streamrl: RL from verifiable rewards as a streaming pipeline on Redis."""
     from streamrl.log import configure
 
@@ -241,7 +270,7 @@ def status(c: Ctx, as_json: bool) -> None:
 
 
 @main.command()
-@click.option("--interval", default=1.0, show_default=True)
+@click.option("--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True)
 @pass_ctx
 def watch(c: Ctx, interval: float) -> None:
     """Live view: rewards as they are scored, throughput, lag (Ctrl-C to stop)."""
@@ -251,7 +280,7 @@ def watch(c: Ctx, interval: float) -> None:
 
 
 @main.command()
-@click.option("--limit", default=20, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @pass_ctx
 def dead(c: Ctx, limit: int, as_json: bool) -> None:
@@ -317,7 +346,9 @@ def bench() -> None:
 
 
 @bench.command("pipeline")
-@click.option("--tasks", default=1000, show_default=True, help="Prompts.")
+@click.option(
+    "--tasks", type=click.IntRange(min=1), default=1000, show_default=True, help="Prompts."
+)
 @click.option("--group-size", default=4, show_default=True)
 @click.option("--turns", default=1, show_default=True, help="Model turns (T-1 tool calls).")
 @click.option("--rollout-workers", default=1, show_default=True)

@@ -12,6 +12,7 @@ list (reclaimed later), and the producer pushes with a compare-and-set. One-shot
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,26 @@ from streamrl.defaults import (
 )
 
 ENV_URL = "STREAMRL_REDIS_URL"
+URL_SCHEMES = ("redis://", "rediss://", "unix://")
+_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@\s]+@", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """``text`` with the password of every URL in it masked: no message or log shows one."""
+    return _PASSWORD.sub(r"\1***@", text)
+
+
+def check_url(url: str) -> str:
+    """``url`` if it is a Redis URL, else a ValueError that says what one looks like."""
+    if not url.startswith(URL_SCHEMES):
+        hint = f" (did you mean redis://{redact(url)} ?)" if "://" not in url else ""
+        raise ValueError(
+            f"{redact(url)!r} is not a Redis URL: it must start with redis://, rediss:// or "
+            f"unix://{hint}"
+        )
+    return url
+
+
 _RETRY_ON = (redis.ConnectionError, redis.TimeoutError)
 
 

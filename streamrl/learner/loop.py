@@ -42,7 +42,7 @@ from click.core import ParameterSource
 from streamrl import health, schema
 from streamrl.bus.keys import Keys
 from streamrl.bus.streams import ensure_groups
-from streamrl.connection import connect, resolve_url
+from streamrl.connection import check_url, connect, resolve_url
 from streamrl.defaults import DEFAULT_RUN, LEARNER_GROUP, RUN_DIR
 from streamrl.learner import publish
 from streamrl.learner._failpoints import failpoint
@@ -370,6 +370,10 @@ def learn_command(
     resolved = resolve_url(url, root.params.get("run_dir") or RUN_DIR)
     if not resolved:
         raise click.UsageError("no Redis: pass --redis URL, set STREAMRL_REDIS_URL or run `up`")
+    try:
+        check_url(resolved)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     if run is None:
         with open(config_path, "rb") as f:
             run = str(tomllib.load(f).get("run", DEFAULT_RUN))

@@ -1,0 +1,87 @@
+"""Bad input on the command line gets one line that says what is wrong, a non-zero exit, no
+traceback, and no password; ``--debug`` brings the traceback back. Each case is the real
+``streamrl`` command in its own process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from streamrl.embedded import free_port
+
+SECRET = "s3cret-pw"
+
+# (id, argv, extra environment, exit status, text the last line must contain)
+CASES = [
+    ("url-scheme", ["--redis", "foo://x", "status"], {}, 1, "'foo://x' is not a Redis URL"),
+    (
+        "url-no-scheme-from-env",
+        ["status"],
+        {"STREAMRL_REDIS_URL": "127.0.0.1:6380"},
+        1,
+        "did you mean redis://127.0.0.1:6380",
+    ),
+    (
+        "unreachable-with-password",
+        ["--redis", "redis://:{secret}@127.0.0.1:{closed}/0", "status"],
+        {},
+        1,
+        "cannot reach Redis at redis://:***@127.0.0.1:",
+    ),
+    (
+        "learn-url-scheme",
+        ["--redis", "foo://x", "learn", "--config", "configs/copy-tiny.toml"],
+        {},
+        2,
+        "is not a Redis URL",
+    ),
+    (
+        "env-module-missing",
+        ["--redis", "{url}", "produce", "--env", "no_such_module:Env", "--count", "1"],
+        {},
+        1,
+        "ModuleNotFoundError: No module named 'no_such_module'",
+    ),
+    ("dead-limit-negative", ["--redis", "{url}", "dead", "--limit", "-1"], {}, 2, "'--limit'"),
+    ("watch-interval-negative", ["--redis", "{url}", "watch", "--interval", "-1"], {}, 2,
+     "'--interval'"),
+    ("bench-tasks-zero", ["bench", "pipeline", "--tasks", "0"], {}, 2, "'--tasks'"),
+    ("chaos-kills-negative", ["bench", "chaos", "--kills", "-1"], {}, 2, "'--kills'"),
+]  # fmt: skip
+
+
+def _run(argv: list[str], env: dict, subprocess_env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "streamrl.cli", *argv],
+        capture_output=True,
+        text=True,
+        env={**subprocess_env, **env},
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "status", "says"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_bad_command_line_gets_one_clear_line(
+    argv, env, status, says, redis_url, subprocess_env, tmp_path
+):
+    fill = {"url": redis_url, "secret": SECRET, "closed": free_port()}
+    argv = [a.format(**fill) for a in argv]
+    subprocess_env = {k: v for k, v in subprocess_env.items() if k != "STREAMRL_REDIS_URL"}
+    done = _run(["--run-dir", str(tmp_path / "rd"), *argv], env, subprocess_env)
+    out = done.stdout + done.stderr
+    assert done.returncode == status, out
+    assert "Traceback" not in out, out
+    assert SECRET not in out
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: ") and says in last, out
+
+
+def test_debug_shows_the_traceback(redis_url, subprocess_env):
+    argv = ["--debug", "--redis", redis_url, "produce", "--env", "no_such_module:Env"]
+    done = _run([*argv, "--count", "1"], {}, subprocess_env)
+    assert done.returncode == 1
+    assert "Traceback" in done.stderr and "ModuleNotFoundError" in done.stderr
