@@ -464,7 +464,13 @@ def _parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
 
 @click.command("audit")
 @click.option("--env", "env_name", required=True, help="Environment name or module:Class.")
-@click.option("--samples", default=DEFAULT_SAMPLES, show_default=True, help="Tasks to audit.")
+@click.option(
+    "--samples",
+    type=click.IntRange(min=1),
+    default=DEFAULT_SAMPLES,
+    show_default=True,
+    help="Tasks to audit.",
+)
 @click.option("--seed", default=0, show_default=True, help="Generator seed.")
 @click.option(
     "--option",

@@ -59,6 +59,23 @@ def _checked(url: str) -> str:
         raise click.ClickException(str(e)) from None
 
 
+class StreamId(click.ParamType):
+    """A stream entry ID, ``<ms>`` or ``<ms>-<seq>``, or one of the given special IDs."""
+
+    name = "stream-id"
+
+    def __init__(self, *specials: str):
+        self.specials = specials
+
+    def convert(self, value, param, ctx):  # type: ignore[override]
+        text = str(value).strip()
+        ms, _, seq = text.partition("-")
+        if text in self.specials or (ms.isdigit() and (not seq or seq.isdigit())):
+            return text
+        allowed = ", ".join(["<ms>", "<ms>-<seq>", *self.specials])
+        self.fail(f"{value!r} is not a stream entry ID ({allowed})", param, ctx)
+
+
 class Group(click.Group):
     """No traceback reaches a user: an error that no command turned into a message becomes
     one line, ``Error: <kind>: <what>`` with passwords masked, and exit status 1.
@@ -153,8 +170,10 @@ def _parse_options(pairs: tuple[str, ...]) -> dict:
 @main.command()
 @click.option("--env", "env_name", default=None, help="Environment (its generator).")
 @click.option("--dataset", type=click.Path(exists=True, dir_okay=False), help="JSONL rows.")
-@click.option("--count", type=int, default=None, help="Prompts to push from the generator.")
-@click.option("--group-size", type=int, default=None)
+@click.option(
+    "--count", type=click.IntRange(min=1), default=None, help="Prompts to push from the generator."
+)
+@click.option("--group-size", type=click.IntRange(min=1), default=None)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--config", "config_path", type=click.Path(exists=True), help="Run config TOML.")
 @click.option("--env-option", "env_opts", multiple=True, help="key=value (JSON values).")
@@ -311,7 +330,14 @@ def trim(c: Ctx) -> None:
 
 @main.command()
 @click.argument("stage", type=click.Choice(["rollout", "verify", "learner"]))
-@click.option("--from", "offset", default="0", show_default=True, help="Stream offset (ID).")
+@click.option(
+    "--from",
+    "offset",
+    type=StreamId("0", "$"),
+    default="0",
+    show_default=True,
+    help="Stream offset: an entry ID (1700000000000-0), 0 (the start) or $ (the end).",
+)
 @pass_ctx
 def replay(c: Ctx, stage: str, offset: str) -> None:
     """Re-deliver a stage's input stream from an offset (moves its consumer group there)."""
@@ -328,8 +354,12 @@ def replay(c: Ctx, stage: str, offset: str) -> None:
 
 
 @main.command()
-@click.option("--from", "start", default="-", help="First groups-stream ID to re-verify.")
-@click.option("--limit", type=int, default=None, help="At most this many samples.")
+@click.option(
+    "--from", "start", type=StreamId("-"), default="-", help="First groups-stream ID to re-verify."
+)
+@click.option(
+    "--limit", type=click.IntRange(min=1), default=None, help="At most this many samples."
+)
 @click.option("--env-option", "env_opts", multiple=True, help="key=value (JSON values).")
 @pass_ctx
 def reverify(c: Ctx, start: str, limit: int | None, env_opts: tuple[str, ...]) -> None:
@@ -349,7 +379,7 @@ def bench() -> None:
 @click.option(
     "--tasks", type=click.IntRange(min=1), default=1000, show_default=True, help="Prompts."
 )
-@click.option("--group-size", default=4, show_default=True)
+@click.option("--group-size", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--turns", default=1, show_default=True, help="Model turns (T-1 tool calls).")
 @click.option("--rollout-workers", default=1, show_default=True)
 @click.option("--verify-workers", default=1, show_default=True)

@@ -49,6 +49,22 @@ CASES = [
      "'--interval'"),
     ("bench-tasks-zero", ["bench", "pipeline", "--tasks", "0"], {}, 2, "'--tasks'"),
     ("chaos-kills-negative", ["bench", "chaos", "--kills", "-1"], {}, 2, "'--kills'"),
+    ("produce-count-negative", ["--redis", "{url}", "produce", "--env", "copy", "--count", "-1"],
+     {}, 2, "'--count'"),
+    ("produce-group-size-zero", ["--redis", "{url}", "produce", "--env", "copy", "--count", "1",
+     "--group-size", "0"], {}, 2, "'--group-size'"),
+    ("replay-from-garbage", ["--redis", "{url}", "replay", "verify", "--from", "garbage"], {}, 2,
+     "'garbage' is not a stream entry ID"),
+    ("reverify-from-garbage", ["--redis", "{url}", "reverify", "--from", "garbage"], {}, 2,
+     "'garbage' is not a stream entry ID"),
+    ("audit-samples-negative", ["audit", "--env", "copy", "--samples", "-1"], {}, 2,
+     "'--samples'"),
+    ("sandbox-memory-zero", ["sandbox", "run", "{program}", "--memory-mb", "0"], {}, 2,
+     "'--memory-mb'"),
+    ("sandbox-memory-negative", ["sandbox", "run", "{program}", "--memory-mb", "-5"], {}, 2,
+     "'--memory-mb'"),
+    ("sandbox-timeout-negative", ["sandbox", "run", "{program}", "--timeout", "-1"], {}, 2,
+     "'--timeout'"),
 ]  # fmt: skip
 
 
@@ -68,7 +84,9 @@ def _run(argv: list[str], env: dict, subprocess_env: dict) -> subprocess.Complet
 def test_bad_command_line_gets_one_clear_line(
     argv, env, status, says, redis_url, subprocess_env, tmp_path
 ):
-    fill = {"url": redis_url, "secret": SECRET, "closed": free_port()}
+    program = tmp_path / "hello.py"
+    program.write_text("print('hello')\n")
+    fill = {"url": redis_url, "secret": SECRET, "closed": free_port(), "program": program}
     argv = [a.format(**fill) for a in argv]
     subprocess_env = {k: v for k, v in subprocess_env.items() if k != "STREAMRL_REDIS_URL"}
     done = _run(["--run-dir", str(tmp_path / "rd"), *argv], env, subprocess_env)
@@ -85,3 +103,13 @@ def test_debug_shows_the_traceback(redis_url, subprocess_env):
     done = _run([*argv, "--count", "1"], {}, subprocess_env)
     assert done.returncode == 1
     assert "Traceback" in done.stderr and "ModuleNotFoundError" in done.stderr
+
+
+def test_stream_ids_that_replay_takes(redis_url, subprocess_env, tmp_path):
+    base = ["--run-dir", str(tmp_path / "rd"), "--redis", redis_url, "--run", "ids"]
+    made = _run([*base, "produce", "--env", "copy", "--count", "1"], {}, subprocess_env)
+    assert made.returncode == 0, made.stderr
+    for stage, offset in (("verify", "0"), ("rollout", "$"), ("learner", "1-0"), ("verify", "5")):
+        done = _run([*base, "replay", stage, "--from", offset], {}, subprocess_env)
+        assert done.returncode == 0, done.stderr
+        assert f"after {offset}" in done.stdout

@@ -368,8 +368,13 @@ def sandbox_group() -> None:
 
 @sandbox_group.command("run")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--timeout", "timeout_s", type=float, default=defaults.SANDBOX_TIMEOUT_S)
-@click.option("--memory-mb", type=int, default=defaults.SANDBOX_MEMORY_MB)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=defaults.SANDBOX_TIMEOUT_S,
+)
+@click.option("--memory-mb", type=click.IntRange(min=1), default=defaults.SANDBOX_MEMORY_MB)
 @click.option("--json", "as_json", is_flag=True, help="Print the SandboxResult as JSON.")
 def run_command(file: Path, timeout_s: float, memory_mb: int, as_json: bool) -> None:
     """Run FILE.py in the sandbox; exit with its exit code (125 if a limit was hit)."""
