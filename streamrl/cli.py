@@ -50,6 +50,18 @@ class Ctx:
 pass_ctx = click.make_pass_decorator(Ctx)
 
 
+def _validated(cfg):
+    """``cfg`` decoded again, so that values set from flags meet the same checks as a file's."""
+    import msgspec
+
+    from streamrl.config import RunConfig
+
+    try:
+        return msgspec.convert(msgspec.to_builtins(cfg), RunConfig)
+    except msgspec.ValidationError as e:
+        raise click.ClickException(f"invalid run config: {e}") from None
+
+
 def _checked(url: str) -> str:
     from streamrl.connection import check_url
 
@@ -175,7 +187,12 @@ def _parse_options(pairs: tuple[str, ...]) -> dict:
 )
 @click.option("--group-size", type=click.IntRange(min=1), default=None)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--config", "config_path", type=click.Path(exists=True), help="Run config TOML.")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Run config TOML.",
+)
 @click.option("--env-option", "env_opts", multiple=True, help="key=value (JSON values).")
 @click.option("--policy", "backend", default=None, help="Policy backend for the workers.")
 @pass_ctx
@@ -200,7 +217,10 @@ def produce(c, env_name, dataset, count, group_size, seed, config_path, env_opts
     from streamrl.workers import leases
     from streamrl.workers.context import write_config
 
-    cfg: RunConfig = load_toml(config_path) if config_path else RunConfig()
+    try:
+        cfg: RunConfig = load_toml(config_path) if config_path else RunConfig()
+    except (ValueError, OSError) as e:  # the message names the file and the field
+        raise click.ClickException(str(e)) from None
     ctx = click.get_current_context()
     explicit = ctx.parent is not None and ctx.parent.get_parameter_source("run") not in (
         click.core.ParameterSource.DEFAULT,
@@ -214,6 +234,7 @@ def produce(c, env_name, dataset, count, group_size, seed, config_path, env_opts
     cfg.env_options = {**cfg.env_options, **_parse_options(env_opts)}
     if backend:
         cfg.policy.backend = backend
+    cfg = _validated(cfg)  # the flags above are config fields too
     if dataset is None and count is None:
         raise click.UsageError("give --count N (prompts from --env's generator) or --dataset")
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -16,46 +16,65 @@ class _Cfg(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
 
 
+# Ranges, checked wherever a config is decoded (TOML, Redis): a bad value is one message that
+# names the field, not a worker spinning on it later.
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+AtLeastOne = Annotated[int, msgspec.Meta(ge=1)]
+Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+Backend = Literal["scripted", "hf", "openai"]
+# a run name sits inside a Redis Cluster hash tag, {run}: no braces, no spaces
+RunName = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[^{}\s]+$")]
+
+
 class PolicyConfig(_Cfg, kw_only=True):
     """Which backend answers the rollout workers, and its knobs."""
 
-    backend: str = "scripted"  # scripted | hf | openai
+    backend: Backend = "scripted"
     model: str = ""  # hf: a directory; openai: the served model name
     base_url: str = ""  # openai backend
-    temperature: float = 1.0
-    max_new_tokens: int = 64
+    temperature: NonNegative = 1.0  # 0: greedy
+    max_new_tokens: AtLeastOne = 64
     # scripted policy: deterministic per task_id
-    latency_s: float = 0.0
-    wrong_rate: float = 0.25
-    malformed_rate: float = 0.0
+    latency_s: NonNegative = 0.0
+    wrong_rate: Fraction = 0.25
+    malformed_rate: Fraction = 0.0
     options: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class RolloutConfig(_Cfg, kw_only=True):
-    max_turns: int = d.MAX_TURNS
-    max_tokens: int = d.MAX_EPISODE_TOKENS
-    max_concurrent: int = d.MAX_CONCURRENT_EPISODES
-    read_batch: int = d.READ_BATCH
-    lease_seconds: float = d.LEASE_SECONDS
-    drain_seconds: float = d.LEASE_DRAIN_SECONDS
+    max_turns: AtLeastOne = d.MAX_TURNS
+    max_tokens: AtLeastOne = d.MAX_EPISODE_TOKENS
+    max_concurrent: AtLeastOne = d.MAX_CONCURRENT_EPISODES
+    read_batch: AtLeastOne = d.READ_BATCH
+    lease_seconds: Positive = d.LEASE_SECONDS
+    drain_seconds: NonNegative = d.LEASE_DRAIN_SECONDS
     # A worker serving a policy more than [learner] max_staleness versions behind the newest
     # for this long fails its lease and faults the run (0: never).
-    max_policy_lag_s: float = d.MAX_POLICY_LAG_S
+    max_policy_lag_s: NonNegative = d.MAX_POLICY_LAG_S
 
 
 class VerifyConfig(_Cfg, kw_only=True):
-    timeout_s: float = d.VERIFY_TIMEOUT_S
-    retries: int = d.VERIFY_RETRIES
-    batch: int = d.VERIFY_BATCH
-    lease_seconds: float = d.LEASE_SECONDS
+    timeout_s: Positive = d.VERIFY_TIMEOUT_S
+    retries: Annotated[int, msgspec.Meta(ge=0)] = d.VERIFY_RETRIES
+    batch: AtLeastOne = d.VERIFY_BATCH
+    lease_seconds: Positive = d.LEASE_SECONDS
 
 
 class StreamConfig(_Cfg, kw_only=True):
-    claim_idle_ms: int = d.CLAIM_IDLE_MS
-    heartbeat_s: float = d.HEARTBEAT_S
-    max_deliveries: int = d.MAX_DELIVERIES
-    retention_ms: int = d.RETENTION_MS
-    block_ms: int = d.READ_BLOCK_MS
+    claim_idle_ms: AtLeastOne = d.CLAIM_IDLE_MS
+    heartbeat_s: Positive = d.HEARTBEAT_S
+    max_deliveries: AtLeastOne = d.MAX_DELIVERIES
+    retention_ms: Annotated[int, msgspec.Meta(ge=0)] = d.RETENTION_MS
+    block_ms: AtLeastOne = d.READ_BLOCK_MS  # 0 would block for ever
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_s * 1000 >= self.claim_idle_ms:
+            raise ValueError(
+                f"streams.heartbeat_s ({self.heartbeat_s} s) must be shorter than "
+                f"streams.claim_idle_ms ({self.claim_idle_ms} ms), or live workers' entries "
+                "are claimed from them"
+            )
 
 
 class AdmissionConfig(_Cfg, kw_only=True):
@@ -63,22 +82,20 @@ class AdmissionConfig(_Cfg, kw_only=True):
 
     # at most this fraction of what the learner consumes may be dropped (stale, zero-variance,
     # failed) and still let the producer push more; 1.0 lets every drop settle (no budget)
-    max_drop_fraction: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = (
-        d.ADMISSION_MAX_DROP_FRACTION
-    )
+    max_drop_fraction: Fraction = d.ADMISSION_MAX_DROP_FRACTION
     # wait while Redis used_memory is at or above this many MiB (0: only maxmemory's limit)
-    redis_memory_mb: Annotated[float, msgspec.Meta(ge=0.0)] = d.ADMISSION_REDIS_MEMORY_MB
+    redis_memory_mb: NonNegative = d.ADMISSION_REDIS_MEMORY_MB
     # held on the drop budget with an empty pipeline: one probe push this often (0: never)
-    drop_probe_s: Annotated[float, msgspec.Meta(ge=0.0)] = d.ADMISSION_DROP_PROBE_S
+    drop_probe_s: NonNegative = d.ADMISSION_DROP_PROBE_S
 
 
 class RunConfig(_Cfg, kw_only=True):
     """Everything a worker needs to know about a run; lives at ``srl:{run}:config``."""
 
     v: int = d.SCHEMA_VERSION
-    run: str = d.DEFAULT_RUN
+    run: RunName = d.DEFAULT_RUN
     env: str = "counter"
-    group_size: int = 4
+    group_size: AtLeastOne = 4
     env_options: dict[str, Any] = msgspec.field(default_factory=dict)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)

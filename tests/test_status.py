@@ -26,7 +26,8 @@ def test_status_counts_and_failed_leases(redis_url, subprocess_env, tmp_path):
             info = collect(p.r, "st")
     rollout = info["rq"]["srl-rollout"]
     assert rollout["workers"] == 1
-    assert "unknown policy backend 'no-such-backend'" in rollout["last_failure"]
+    # a config that slipped past the CLI's checks is refused where the worker decodes it
+    assert "Invalid enum value 'no-such-backend' - at `$.policy.backend`" in rollout["last_failure"]
     assert info["stages"]["tasks"]["length"] == 10
     assert info["stages"]["tasks"]["groups"]["rollout"]["lag"] == 10
     assert info["policy_version"] == 7

@@ -333,7 +333,9 @@ def run_learner(
 
 
 @click.command("learn")
-@click.option("--config", "config_path", required=True, type=click.Path(exists=True))
+@click.option(
+    "--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False)
+)
 @click.option("--redis", "url", envvar="STREAMRL_REDIS_URL", help="Redis URL of the run.")
 @click.option(
     "--run", default=None, envvar="STREAMRL_RUN", help="Default: the config's `run`, else default."

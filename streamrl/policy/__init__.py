@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
-from streamrl.config import PolicyConfig
+from streamrl.config import Backend, PolicyConfig
 from streamrl.envs.base import Environment
 from streamrl.policy.base import Policy, PolicyError, PolicyRequest
 
-BACKENDS = ("scripted", "hf", "openai")
+BACKENDS = get_args(Backend)
 
 
 def make_policy(config: PolicyConfig, env: Environment, **kw: Any) -> Policy:
