@@ -122,6 +122,15 @@ class Memory:
         return self.used + self.coming + n * self.per_sample < self.budget
 
 
+def _per_sample(length: int, used: int | None, samples_per_entry: int) -> float:
+    """Bytes per sample of a stream, or a prior while it holds too few entries to tell (a
+    stream trimmed to its last entry would charge that entry with the whole stream's
+    overhead)."""
+    if length < 16 or not used:
+        return d.ADMISSION_SAMPLE_BYTES_PRIOR
+    return used / (length * samples_per_entry)
+
+
 @dataclass
 class Hold:
     """Why the producer waits; what ``on_wait`` is told and ``streamrl status`` shows."""
@@ -345,13 +354,12 @@ class LearnerAdmission:
             self._memory = None
             return None
         budget, source = min(budgets)
-        # bytes per entry of each stage's stream, measured (a prior until it has entries)
-        (tl, tm), (rl, rm), (sl, sm), (gl, gm) = (rest[2 * i : 2 * i + 2] for i in range(4))
-        prior = d.ADMISSION_SAMPLE_BYTES_PRIOR
-        per_task = (tm or 0) / tl if tl else prior
-        per_rollout = (rm or 0) / rl if rl else prior
-        per_score = (sm or 0) / sl if sl else prior
-        per_grouped = (gm or 0) / (gl * self.group_size) if gl else prior
+        # bytes per sample at each stage, measured on its stream: (length, MEMORY USAGE)
+        pairs = [rest[2 * i : 2 * i + 2] for i in range(4)]
+        per_task, per_rollout, per_score, per_grouped = (
+            _per_sample(length, used, samples)
+            for (length, used), samples in zip(pairs, (1, 1, 1, self.group_size), strict=True)
+        )
         trajectories, completed, dropped = (int(x or 0) for x in rest[8])
         dead = int(rest[9] or 0)
         grouped = (completed + dropped) * self.group_size
