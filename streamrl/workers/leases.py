@@ -38,13 +38,37 @@ def queue(r: redis.Redis, name: str) -> Queue:
     return Queue(name, connection=r, serializer=JSONSerializer)
 
 
+def lease_timeout(r: redis.Redis, name: str, run: str, seconds: float | None = None) -> int:
+    """rq's job timeout for one lease: the lease's length (``seconds``, else the run config's
+    ``lease_seconds``), its drain, and a grace. rq kills a horse that runs past it, so a
+    timeout taken from the default length cut every longer lease short (the demo's 600 s
+    rollout leases died at 180 s, mid-episode)."""
+    import msgspec
+
+    from streamrl.bus.keys import Keys
+    from streamrl.workers.context import read_config
+
+    lease_s, drain_s = LEASE_SECONDS, LEASE_DRAIN_SECONDS
+    try:
+        cfg = read_config(r.get(Keys(run).config))
+    except msgspec.DecodeError:  # the lease itself will fail and say why
+        cfg = None
+    if cfg is not None:
+        stage = cfg.rollout if name == "srl-rollout" else cfg.verify
+        lease_s = stage.lease_seconds
+        if name == "srl-rollout":
+            drain_s = cfg.rollout.drain_seconds
+    if seconds is not None:
+        lease_s = seconds
+    return int(lease_s + drain_s + LEASE_JOB_TIMEOUT_GRACE)
+
+
 def enqueue(r: redis.Redis, name: str, run: str, seconds: float | None = None) -> None:
-    lease_s = seconds if seconds is not None else LEASE_SECONDS
     queue(r, name).enqueue(
         ROLES[name],
         run,
         seconds,
-        job_timeout=int(lease_s + LEASE_DRAIN_SECONDS + LEASE_JOB_TIMEOUT_GRACE),
+        job_timeout=lease_timeout(r, name, run, seconds),
         result_ttl=300,
         failure_ttl=24 * 3600,
         description=f"{name} lease for run {run!r}",

@@ -157,3 +157,28 @@ def test_idle_workers_queue_leases_only_for_runs_with_work(r):
     r.delete(Keys("idle").config)
     ensure_leases(r, queues)
     assert b"idle" not in r.smembers("srl:runs")
+
+
+def test_a_lease_may_run_as_long_as_its_run_config_says(r):
+    """rq kills a horse past the job timeout: it must cover the configured lease, not the
+    default one (the demo's 600 s rollout leases were killed at 180 s, mid-episode)."""
+    from streamrl.bus.keys import Keys
+    from streamrl.bus.streams import ensure_groups
+    from streamrl.defaults import LEASE_JOB_TIMEOUT_GRACE
+    from streamrl.workers.context import write_config
+    from streamrl.workers.lease_worker import ensure_leases
+
+    cfg = RunConfig(
+        run="long",
+        rollout=RolloutConfig(lease_seconds=600, drain_seconds=20),
+        verify=VerifyConfig(lease_seconds=400),
+    )
+    write_config(r, cfg)
+    ensure_groups(r, Keys("long"))
+    r.xadd(Keys("long").tasks, {"p": b"x"})
+    r.xadd(Keys("long").rollouts, {"p": b"x"})
+    assert ensure_leases(r, [ROLLOUT_QUEUE, VERIFY_QUEUE]) == 2
+    (rollout,) = _queue(r, ROLLOUT_QUEUE).get_jobs()
+    (verify,) = _queue(r, VERIFY_QUEUE).get_jobs()
+    assert rollout.timeout == 600 + 20 + LEASE_JOB_TIMEOUT_GRACE
+    assert verify.timeout >= 400 + LEASE_JOB_TIMEOUT_GRACE
