@@ -6,13 +6,11 @@ exactly one group and consumed by the learner exactly once."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from streamrl.learner.loop import id_key
 from streamrl.models.tiny import save_tiny
 from streamrl.pipeline import xrange_all
 from streamrl.procs import WorkerProcs
+from tests.support.waiting import wait_for
 
 RUN = "restart"
 PROMPTS, GROUP = 96, 4
@@ -59,18 +58,6 @@ block_ms = 200
 """
 
 
-def _wait(what, timeout: float, why: str):
-    """Poll until ``what()`` is truthy: a bounded wait, not a timing assertion."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(redis.ConnectionError):
-            value = what()
-            if value:
-                return value
-        time.sleep(0.1)
-    raise TimeoutError(f"gave up after {timeout} s waiting for {why}")
-
-
 def _pid(run_dir: Path) -> int:
     return int((run_dir / "redis.pid").read_text())
 
@@ -93,7 +80,7 @@ def test_every_role_rides_out_redis_restarts(subprocess_env, tmp_path):
     procs = None
     others: list[subprocess.Popen] = []
     try:
-        _wait(lambda: (run_dir / "redis.url").exists(), 30, "streamrl up")
+        wait_for(lambda: (run_dir / "redis.url").exists(), "streamrl up", 30)
         url = (run_dir / "redis.url").read_text().strip()
         r = redis.Redis.from_url(url)
         keys = Keys(RUN)
@@ -111,11 +98,16 @@ def test_every_role_rides_out_redis_restarts(subprocess_env, tmp_path):
 
         steps_at_kill = []
         for at in RESTART_AT:
-            _wait(lambda at=at: learner_field("groups_consumed") >= at, 180, f"{at} groups")
+            wait_for(lambda at=at: learner_field("groups_consumed") >= at, f"{at} groups", 180)
             old = _pid(run_dir)
             steps_at_kill.append(learner_field("step"))
             os.kill(old, signal.SIGKILL)  # a crash: `up --durable` brings it back from its AOF
-            _wait(lambda old=old: _pid(run_dir) != old and r.ping(), 30, "Redis back")
+            wait_for(
+                lambda old=old: _pid(run_dir) != old and r.ping(),
+                "Redis back",
+                30,
+                ignore=(redis.ConnectionError,),
+            )
         assert learner.wait(timeout=300) == 0, (logs / "learn.log").read_text()[-3000:]
         assert producer.wait(timeout=60) == 0, (logs / "produce.log").read_text()[-3000:]
         assert up.poll() is None, "streamrl up gave up on its server"

@@ -15,6 +15,7 @@ from streamrl.embedded import EmbeddedRedis
 from streamrl.envs import make_env
 from streamrl.pipeline import LocalPipeline
 from streamrl.producer import MEMORY_BUDGET, LearnerAdmission, Producer
+from tests.support.waiting import wait_for
 
 MiB = 2**20
 HEADROOM_MB = 6
@@ -28,13 +29,6 @@ def _idle(r, keys: Keys) -> bool:
         if g["lag"] or g["pending"]:
             return False
     return True
-
-
-def _wait(cond, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_budget_holds_with_the_pipeline_still_to_come(subprocess_env, tmp_path):
@@ -62,7 +56,7 @@ def test_budget_holds_with_the_pipeline_still_to_come(subprocess_env, tmp_path):
         t.start()
         reason = lambda: p.r.hget(p.keys.producer_state, "reason")  # noqa: E731
         held = lambda: reason() == MEMORY_BUDGET.encode() and _idle(p.r, p.keys)  # noqa: E731
-        _wait(held, "a memory hold with the workers caught up")
+        wait_for(held, "a memory hold with the workers caught up")
         used = [p.r.info("memory")["used_memory"]]
         for _ in range(20):  # held, and it stays held: nothing more gets through
             time.sleep(0.1)
