@@ -8,6 +8,7 @@ the last one stopped and a re-sent batch is never pushed twice.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -594,14 +595,20 @@ class Producer:
         group_size: int,
         progress: Callable[[int], None] | None = None,
     ) -> ProduceResult:
-        """Push one prompt per row. Bad rows go to the dead-letter stream with their line
-        number and reason; the rest are pushed."""
+        """Push one prompt per row. A row that cannot be read (not UTF-8, not JSON, nested
+        too deeply, no prompt or an empty one, items of the wrong shape, an id used by an
+        earlier row) goes to the dead-letter stream with its line number and reason; every
+        other row is pushed."""
         path = Path(path)
         source = f"file:{path.resolve()}"
         res = ProduceResult(source)
         pos = self.position(source)
         res.skipped = pos
         rows = list(_read_rows(path))
+        first_use: dict[str, int] = {}  # prompt id -> line number (0-based) of its first row
+        for line_no in range(pos):  # rows pushed by an earlier producer keep their ids
+            with contextlib.suppress(ValueError):
+                first_use.setdefault(_row_id(rows[line_no], path, line_no), line_no)
         while pos < len(rows):
             end = min(len(rows), pos + max(1, self.batch_samples // group_size))
             batch: list[schema.Task] = []
@@ -611,10 +618,14 @@ class Producer:
                     continue
                 try:
                     inp, data, pid = row_to_prompt(rows[line_no])
+                    pid = pid or _default_id(path, line_no)
+                    if pid in first_use:
+                        first = first_use[pid] + 1
+                        raise ValueError(f"id {pid!r} is already used on line {first}")
                 except ValueError as e:
                     rejects.append((line_no, f"{path.name}:{line_no + 1}: {e}"))
                     continue
-                pid = pid or f"{path.stem}-{line_no + 1:07d}"
+                first_use[pid] = line_no
                 batch += _tasks(pid, data.pop("env", env), group_size, inp, data, 0)
             if self._push(source, pos, end, batch):
                 res.prompts += len(batch) // group_size
@@ -628,20 +639,33 @@ class Producer:
         res.position = pos
         return res
 
-    def _reject(self, reason: str, raw: str) -> None:
+    def _reject(self, reason: str, raw: bytes) -> None:
         dl = schema.DeadLetter(
-            stage="produce", entry_id="", reason=reason, payload=raw.encode(), at=time.time()
+            stage="produce", entry_id="", reason=reason, payload=raw, at=time.time()
         )
         self.r.xadd(self.keys.dead, {"id": "", "p": schema.encode(dl)})
         self.r.hincrby(self.keys.stats, "dead_letters", 1)
 
 
-def _read_rows(path: Path) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        yield from (line.rstrip("\n") for line in f)
+def _read_rows(path: Path) -> Iterator[bytes]:
+    """The file's lines as bytes: each one is decoded on its own, so that one bad byte costs
+    one row, not the file. A UTF-8 byte order mark at the start is dropped."""
+    with open(path, "rb") as f:
+        for i, line in enumerate(f):
+            if i == 0 and line.startswith(b"\xef\xbb\xbf"):
+                line = line[3:]
+            yield line.rstrip(b"\r\n")
 
 
-def row_to_prompt(line: str) -> tuple[list[schema.Item], dict[str, Any], str]:
+def _default_id(path: Path, line_no: int) -> str:
+    return f"{path.stem}-{line_no + 1:07d}"
+
+
+def _row_id(line: bytes, path: Path, line_no: int) -> str:
+    return row_to_prompt(line)[2] or _default_id(path, line_no)
+
+
+def row_to_prompt(line: str | bytes) -> tuple[list[schema.Item], dict[str, Any], str]:
     """A JSONL row -> (input items, verifier data, prompt id or "").
 
     Accepted shapes: NeMo Gym rows (``responses_create_params.input`` as a string or a list of
@@ -649,10 +673,19 @@ def row_to_prompt(line: str) -> tuple[list[schema.Item], dict[str, Any], str]:
     ``prompt`` (string) or ``input`` (items). An optional ``id`` names the prompt and ``env``
     picks the environment for this row.
     """
+    if isinstance(line, bytes):
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"not UTF-8: byte 0x{line[e.start]:02x} at column {e.start + 1}"
+            ) from None
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"not JSON: {e.msg} at column {e.colno}") from None
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
     row = dict(row)
@@ -670,11 +703,18 @@ def row_to_prompt(line: str) -> tuple[list[schema.Item], dict[str, Any], str]:
             item = {"type": "message", **item}
         if isinstance(item, dict) and isinstance(item.get("content"), list):
             # Responses content parts -> plain text
-            item = {**item, "content": "".join(p.get("text", "") for p in item["content"])}
+            parts = item["content"]
+            if not all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in parts):
+                raise ValueError(
+                    f"input item {i}: content parts must be objects with a string `text`"
+                )
+            item = {**item, "content": "".join(p.get("text", "") for p in parts)}
         try:
             items.append(msgspec.convert(item, schema.Item))
         except msgspec.ValidationError as e:
             raise ValueError(f"input item {i}: {e}") from None
+    if not any(isinstance(x, schema.Message) and x.content.strip() for x in items):
+        raise ValueError("empty prompt: no message with text")
     pid = str(row.pop("id", "") or "")
     row.pop("response", None)
     row.pop("reward", None)
