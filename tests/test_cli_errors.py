@@ -4,12 +4,10 @@ traceback, and no password; ``--debug`` brings the traceback back. Each case is 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from streamrl.embedded import free_port
+from tests.support.cli import run_cli
 
 SECRET = "s3cret-pw"
 
@@ -68,16 +66,6 @@ CASES = [
 ]  # fmt: skip
 
 
-def _run(argv: list[str], env: dict, subprocess_env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "streamrl.cli", *argv],
-        capture_output=True,
-        text=True,
-        env={**subprocess_env, **env},
-        timeout=120,
-    )
-
-
 @pytest.mark.parametrize(
     ("argv", "env", "status", "says"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
 )
@@ -89,7 +77,7 @@ def test_bad_command_line_gets_one_clear_line(
     fill = {"url": redis_url, "secret": SECRET, "closed": free_port(), "program": program}
     argv = [a.format(**fill) for a in argv]
     subprocess_env = {k: v for k, v in subprocess_env.items() if k != "STREAMRL_REDIS_URL"}
-    done = _run(["--run-dir", str(tmp_path / "rd"), *argv], env, subprocess_env)
+    done = run_cli(["--run-dir", str(tmp_path / "rd"), *argv], {**subprocess_env, **env})
     out = done.stdout + done.stderr
     assert done.returncode == status, out
     assert "Traceback" not in out, out
@@ -100,16 +88,16 @@ def test_bad_command_line_gets_one_clear_line(
 
 def test_debug_shows_the_traceback(redis_url, subprocess_env):
     argv = ["--debug", "--redis", redis_url, "produce", "--env", "no_such_module:Env"]
-    done = _run([*argv, "--count", "1"], {}, subprocess_env)
+    done = run_cli([*argv, "--count", "1"], subprocess_env)
     assert done.returncode == 1
     assert "Traceback" in done.stderr and "ModuleNotFoundError" in done.stderr
 
 
 def test_stream_ids_that_replay_takes(redis_url, subprocess_env, tmp_path):
     base = ["--run-dir", str(tmp_path / "rd"), "--redis", redis_url, "--run", "ids"]
-    made = _run([*base, "produce", "--env", "copy", "--count", "1"], {}, subprocess_env)
+    made = run_cli([*base, "produce", "--env", "copy", "--count", "1"], subprocess_env)
     assert made.returncode == 0, made.stderr
     for stage, offset in (("verify", "0"), ("rollout", "$"), ("learner", "1-0"), ("verify", "5")):
-        done = _run([*base, "replay", stage, "--from", offset], {}, subprocess_env)
+        done = run_cli([*base, "replay", stage, "--from", offset], subprocess_env)
         assert done.returncode == 0, done.stderr
         assert f"after {offset}" in done.stdout

@@ -5,8 +5,6 @@ unknown backend (every lease failing), a zero group size."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import msgspec
@@ -14,6 +12,7 @@ import pytest
 
 from streamrl.bus.keys import Keys
 from streamrl.config import RunConfig, load_toml
+from tests.support.cli import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,13 +65,7 @@ def test_produce_refuses_a_bad_config_and_pushes_nothing(redis_url, r, subproces
     for extra in ([], ["--policy", "gpt5"]):
         if extra:  # a good file, a bad flag: the flag is checked like the file
             path.write_text('run = "bad"\n')
-        done = subprocess.run(
-            [sys.executable, "-m", "streamrl.cli", *argv, *extra],
-            capture_output=True,
-            text=True,
-            env=subprocess_env,
-            timeout=120,
-        )
+        done = run_cli([*argv, *extra], subprocess_env)
         assert done.returncode == 1, done.stderr
         assert "Traceback" not in done.stderr
         last = done.stderr.strip().splitlines()[-1]

@@ -6,13 +6,12 @@ shape) or to be taken silently (empty prompts, a second row with an id already u
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.pipeline import xrange_all
 from streamrl.producer import Producer
+from tests.support.cli import run_cli
 
 
 def _j(row: object) -> bytes:
@@ -77,13 +76,7 @@ def test_a_restarted_producer_still_knows_the_ids_it_pushed(r, tmp_path):
 def test_produce_command_reports_bad_rows_and_exits_zero(redis_url, r, subprocess_env, tmp_path):
     path = _write(tmp_path)
     argv = ["--redis", redis_url, "--run", "cli-rows", "produce", "--dataset", str(path)]
-    done = subprocess.run(
-        [sys.executable, "-m", "streamrl.cli", *argv, "--env", "copy", "--group-size", "2"],
-        capture_output=True,
-        text=True,
-        env=subprocess_env,
-        timeout=120,
-    )
+    done = run_cli([*argv, "--env", "copy", "--group-size", "2"], subprocess_env)
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
     assert r.xlen(Keys("cli-rows").tasks) == 2 * 3
