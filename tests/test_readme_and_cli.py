@@ -14,21 +14,13 @@ from pathlib import Path
 import pytest
 
 from streamrl.embedded import EmbeddedRedis, RedisNotInstalled
+from tests.support.cli import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
 
-def _cli(args, env, **kw):
-    return subprocess.run(
-        [sys.executable, "-m", "streamrl.cli", *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        **kw,
-    )
+_cli = run_cli
 
 
 def test_readme_commands_and_ci_agree():
