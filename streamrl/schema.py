@@ -58,6 +58,17 @@ class FunctionTool(_Base, kw_only=True, tag="function", tag_field="type"):
 # ---------------------------------------------------------------- pipeline payloads
 
 
+def _check_slot(obj: Any) -> None:
+    """A sample's place in its group; an entry outside it could never join a group, and the
+    group-assembly script would index a slot that does not exist."""
+    if not obj.task_id or not obj.prompt_id:
+        raise ValueError("task_id and prompt_id must be non-empty")
+    if obj.group_size < 1:
+        raise ValueError(f"group_size must be at least 1, got {obj.group_size}")
+    if not 0 <= obj.k < obj.group_size:
+        raise ValueError(f"k must be in [0, group_size={obj.group_size}), got {obj.k}")
+
+
 class Task(_Base, kw_only=True):
     """One sample to roll out: ``task_id = f"{prompt_id}:{k}"``, ``k < group_size``."""
 
@@ -71,6 +82,9 @@ class Task(_Base, kw_only=True):
     data: dict[str, Any] = msgspec.field(default_factory=dict)  # env-specific, env validates it
     seed: int = 0
     created_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_slot(self)
 
 
 class ModelTurn(_Base, kw_only=True):
@@ -125,6 +139,9 @@ class Trajectory(_Base, kw_only=True):
     worker: str = ""
     attempt: int = 1
     resumed_from_turn: int = -1
+
+    def __post_init__(self) -> None:
+        _check_slot(self)
 
     @property
     def policy_versions(self) -> list[int]:
@@ -182,6 +199,13 @@ class Group(msgspec.Struct, array_like=True):
     reward_mean: float
     reward_std: float  # population std of the rewards; the learner computes its own advantages
     samples: list[Sample]
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1 or len(self.samples) != self.group_size:
+            raise ValueError(
+                f"a group of size {self.group_size} must hold that many samples, "
+                f"holds {len(self.samples)}"
+            )
 
 
 class PolicyVersion(_Base, kw_only=True):

@@ -123,7 +123,9 @@ return out
 # KEYS: rollouts, scored, groups, stats, then group keys. ARGV: group, consumer, schema
 # version, done ttl, then (id, fence, task_id, prompt_id, k, group_size, reward, score blob,
 # sample blob). Returns per item 1 (added), 2 (duplicate or group already closed; acked), 0 (not
-# owned). When the last sample of a group arrives, the Group is written to `groups` once:
+# owned), 3 (impossible: k outside [0, group_size), a reward that is not a finite number, or a
+# group_size other than the group's first sample's; not acked, the caller dead-letters it).
+# When the last sample of a group arrives, the Group is written to `groups` once:
 # a msgpack array [v, prompt_id, group_size, mean, std, [samples...]] built from the samples'
 # own bytes.
 SCORE = (
@@ -135,14 +137,28 @@ local function arrhdr(n)
   if n < 16 then return string.char(0x90 + n) end
   return string.char(0xdc, math.floor(n / 256), n % 256)
 end
+-- an entry that could never complete its group, or would index a slot the group does not
+-- have, is refused (3) and left for the worker to dead-letter; one bad item must not make the
+-- script fail for the whole batch
+local function valid(k, size, reward, have)
+  if not (k and size and reward) then return false end
+  if size < 1 or size > 65535 or size ~= math.floor(size) then return false end
+  if k < 0 or k >= size or k ~= math.floor(k) then
+    return false
+  end
+  if reward ~= reward or reward == math.huge or reward == -math.huge then return false end
+  return not have or tonumber(have) == size
+end
 local out, added, dup, done = {}, 0, 0, 0
 for i = 1, #KEYS - 4 do
   local a = 5 + (i - 1) * 9
   local id, fence, tid, pid = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
-  local k, size, reward = ARGV[a + 4], tonumber(ARGV[a + 5]), ARGV[a + 6]
+  local k, size, reward = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
   local gk = KEYS[4 + i]
   if not owns(rollouts, group, id, consumer, fence) then
     out[i] = 0
+  elseif not valid(k, size, reward, redis.call('HGET', gk, 'size')) then
+    out[i] = 3
   else
     redis.call('XACK', rollouts, group, id)
     if redis.call('HGET', gk, 'state') then
@@ -151,7 +167,7 @@ for i = 1, #KEYS - 4 do
       out[i] = 2; dup = dup + 1
     else
       redis.call('XADD', scored, '*', 'id', tid, 'p', ARGV[a + 7])
-      redis.call('HSET', gk, 'r' .. k, reward)
+      redis.call('HSET', gk, 'r' .. k, ARGV[a + 6], 'size', ARGV[a + 5])
       out[i] = 1; added = added + 1
       if redis.call('HINCRBY', gk, 'n', 1) == size then
         local sf, rf = {}, {}

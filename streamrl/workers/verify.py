@@ -162,7 +162,7 @@ class VerifyLease:
             score.worker = self.consumer
             ok.append((e, traj, score))
         if ok:
-            self._score(ok)
+            failed += self._score(ok)
         if failed:
             keys, args = deadletter_call(
                 self.keys, self.keys.rollouts, VERIFY_GROUP, self.consumer, failed, False
@@ -173,7 +173,8 @@ class VerifyLease:
                 if done:
                     log.warning("dead-lettered trajectory", task_id=e.task_id)
 
-    def _score(self, ok: list[tuple[Entry, schema.Trajectory, schema.Score]]) -> None:
+    def _score(self, ok: list[tuple[Entry, schema.Trajectory, schema.Score]]) -> list[tuple]:
+        """Add scores to their groups; returns the failures for samples the script refused."""
         k = self.keys
         keys = [k.rollouts, k.scored, k.groups, k.stats]
         args: list[Any] = [VERIFY_GROUP, self.consumer, SCHEMA_VERSION, GROUP_DONE_TTL_S]
@@ -195,6 +196,17 @@ class VerifyLease:
         self.counts["scored"] += res.count(1)
         self.counts["duplicates"] += res.count(2)
         self.counts["lost_claim"] += res.count(0)
+        return [
+            self._failure(
+                e,
+                f"impossible sample: k={traj.k}, group_size={traj.group_size}, reward="
+                f"{score.reward!r} does not fit group {traj.prompt_id} (its first sample set "
+                "its size, or the values are out of range)",
+                traj,
+            )
+            for (e, traj, score), r in zip(ok, res, strict=True)
+            if r == 3
+        ]
 
     def _wait_config(self, until: float) -> RunConfig | None:
         while time.monotonic() < until:

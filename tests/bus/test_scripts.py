@@ -220,3 +220,51 @@ def test_produce_is_compare_and_set(r, k, sc):
 def test_undecodable_group_payload_is_a_decode_error():
     with pytest.raises(msgspec.DecodeError):
         schema.GROUP.decode(b"\x96\x01")
+
+
+@pytest.mark.parametrize(
+    ("k_arg", "size_arg", "reward_arg"),
+    [
+        (2, 2, "1.0"),  # k == group_size: a slot the group does not have
+        (-1, 2, "1.0"),
+        (0, 0, "1.0"),  # group_size 0: the group could never complete
+        (0, -3, "1.0"),
+        ("1.5", 2, "1.0"),
+        ("x", 2, "1.0"),
+        (0, "two", "1.0"),
+        (0, 70000, "1.0"),  # wider than the group header the script can write
+        (0, 2, "nan"),
+        (0, 2, "inf"),
+        (0, 2, "high"),
+    ],
+)
+def test_score_refuses_impossible_items_without_failing_the_batch(
+    r, k, sc, k_arg, size_arg, reward_arg
+):
+    """The script checks its own inputs: a bad item is refused (3) and stays pending for the
+    worker to dead-letter, and the good items of the same call are scored."""
+    ensure_groups(r, k)
+    for t in [_task(0, 0), _task(0, 1), _task(9, 0)]:
+        r.xadd(k.rollouts, {"id": t.task_id, "p": schema.encode(t)})
+    e0, e1, bad = _read(r, k, "V", k.rollouts, VERIFY_GROUP)
+    keys, args = _score_call(k, [(e0, 1.0), (bad, 1.0), (e1, 0.0)])
+    args[4 + 9 + 4 : 4 + 9 + 7] = [k_arg, size_arg, reward_arg]
+    assert sc.score(keys=keys, args=args) == [1, 3, 1]
+    assert r.xlen(k.groups) == 1  # p0 completed
+    pending = r.xpending_range(k.rollouts, VERIFY_GROUP, "-", "+", 10)
+    assert [p["message_id"].decode() for p in pending] == [bad.id]
+    assert r.hget(k.group("p9"), "n") is None
+
+
+def test_score_refuses_a_sample_whose_group_size_disagrees_with_its_group(r, k, sc):
+    ensure_groups(r, k)
+    for t in [_task(4, 0, 3), _task(4, 1, 2), _task(4, 1, 3), _task(4, 2, 3)]:
+        r.xadd(k.rollouts, {"id": t.task_id, "p": schema.encode(t)})
+    a, b, c, d = _read(r, k, "V", k.rollouts, VERIFY_GROUP)
+    keys, args = _score_call(k, [(a, 1.0), (b, 0.0)], size=3)
+    args[4 + 9 + 5] = 2  # b claims a group of 2 in a group whose first sample said 3
+    assert sc.score(keys=keys, args=args) == [1, 3]
+    keys, args = _score_call(k, [(c, 0.0), (d, 0.5)], size=3)
+    assert sc.score(keys=keys, args=args) == [1, 1]
+    g = schema.GROUP.decode(r.xrange(k.groups)[0][1][b"p"])
+    assert g.group_size == 3 and sorted(s.score.k for s in g.samples) == [0, 1, 2]

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 
+import msgspec
+
 from streamrl import schema
 from streamrl.config import PolicyConfig, RunConfig, StreamConfig, VerifyConfig
 from streamrl.envs import make_env
 from streamrl.pipeline import LocalPipeline, task_ids, xrange_all
 from streamrl.producer import Producer
 from streamrl.schema import FunctionCallOutput
+from tests.support.waiting import wait_for
 
 
 def _dead(p) -> list[schema.DeadLetter]:
@@ -174,3 +177,49 @@ def test_policy_outage_dead_letters_after_max_deliveries_never_scores(
         assert p.r.xlen(p.keys.scored) == 0
     assert len(dead) == 6
     assert all(d.stage == "rollout" and "delivered 4 times" in d.reason for d in dead)
+
+
+def test_impossible_entries_are_dead_lettered_by_the_first_stage_and_the_run_goes_on(
+    redis_url, subprocess_env, tmp_path
+):
+    """Entries a buggy producer or rollout could write: a k outside [0, group_size), a
+    group_size of 0, an empty task id, and two samples of one prompt that disagree on the group
+    size. Each is dead-lettered with its reason by the stage that reads it first, and the
+    prompts after them still complete."""
+    cfg = RunConfig(run="imp", env="counter", group_size=2, env_options={"steps": 1})
+    env = make_env("counter", steps=1)
+    with LocalPipeline(cfg, url=redis_url, directory=tmp_path, worker_env=subprocess_env) as p:
+        p.start_workers(rollout=1, verify=1)
+        producer = Producer(p.r, "imp")
+        producer.from_env(env, 2, 2, seed=3)
+        p.wait_groups(2)
+        real = msgspec.to_builtins(p.trajectories()[0], builtin_types=(bytes,))
+        task = {"v": 1, "env": "counter", "input": [], "data": {}}
+        raw_tasks = [
+            {**task, "task_id": "k5:5", "prompt_id": "k5", "k": 5, "group_size": 2},
+            {**task, "task_id": "zero:0", "prompt_id": "zero", "k": 0, "group_size": 0},
+            {**task, "task_id": "", "prompt_id": "noid", "k": 0, "group_size": 2},
+        ]
+        for t in raw_tasks:
+            p.r.xadd(p.keys.tasks, {"id": t["task_id"], "p": msgspec.msgpack.encode(t)})
+        for tid, k, size in [("junk:3", 3, 2), ("mix:0", 0, 2), ("mix:1", 1, 3)]:
+            traj = {**real, "task_id": tid, "prompt_id": tid.split(":")[0], "k": k}
+            traj["group_size"] = size
+            p.r.xadd(p.keys.rollouts, {"id": tid, "p": msgspec.msgpack.encode(traj)})
+        wait_for(lambda: p.r.xlen(p.keys.dead) >= 5, timeout=60, what="5 dead letters")
+        producer.from_env(env, 4, 2, seed=3)  # prompts 2 and 3: the stages still work
+        wait_for(lambda: p.stat("groups_completed") >= 4, timeout=60, what="4 groups completed")
+        dead = {(d.stage, d.task_id): d.reason for d in _dead(p)}
+        completed = {g.prompt_id for g in (p.trajectories())}
+        acc = p.account(task_ids("counter", 3, 4, 2))
+    assert acc.lost == 0 and acc.duplicated == 0 and acc.groups == 4, dead
+    assert "mix" not in completed, "a group with a sample that did not fit was trained on"
+    assert "k must be in [0, group_size=2), got 5" in dead[("rollout", "k5:5")]
+    assert "group_size must be at least 1, got 0" in dead[("rollout", "zero:0")]
+    assert any(
+        s == "rollout" and "task_id and prompt_id must be non-empty" in r
+        for (s, _), r in dead.items()
+    )
+    assert "k must be in [0, group_size=2), got 3" in dead[("verify", "junk:3")]
+    assert "impossible sample: k=1, group_size=3" in dead[("verify", "mix:1")]
+    assert len(dead) == 5
