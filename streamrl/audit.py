@@ -34,8 +34,9 @@ from typing import Any
 import click
 import msgspec
 
+from streamrl.cliopts import env_option
 from streamrl.config import RolloutConfig
-from streamrl.envs.base import Environment, Verdict
+from streamrl.envs.base import Environment, OptionError, Verdict
 from streamrl.envs.registry import UnknownEnvironment, make_env
 from streamrl.policy.base import Policy, PolicyRequest
 from streamrl.schema import (
@@ -449,19 +450,6 @@ def format_report(report: AuditReport) -> str:
     return "\n".join(lines)
 
 
-def _parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--option")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value  # a plain string, e.g. a dataset path
-    return options
-
-
 @click.command("audit")
 @click.option("--env", "env_name", required=True, help="Environment name or module:Class.")
 @click.option(
@@ -472,30 +460,25 @@ def _parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
     help="Tasks to audit.",
 )
 @click.option("--seed", default=0, show_default=True, help="Generator seed.")
-@click.option(
-    "--option",
-    "-o",
-    "option_pairs",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Environment option (value parsed as JSON when it parses).",
-)
+@env_option
 @click.option("--max-turns", default=DEFAULT_MAX_TURNS, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def audit_command(
     env_name: str,
     samples: int,
     seed: int,
-    option_pairs: tuple[str, ...],
+    env_options: dict[str, Any],
     max_turns: int,
     as_json: bool,
 ) -> None:
     """Check that an environment's verifier gives the reference agent full reward and no
     cheating answer more than a wrong one; exits 1 on any failure."""
     try:
-        report = run_audit(env_name, samples, seed, _parse_options(option_pairs), max_turns)
+        report = run_audit(env_name, samples, seed, env_options, max_turns)
     except UnknownEnvironment as e:
         raise click.BadParameter(str(e), param_hint="--env") from e
+    except OptionError as e:
+        raise click.BadParameter(str(e), param_hint="--env-option") from e
     click.echo(msgspec.json.encode(report).decode() if as_json else format_report(report))
     if not report.passed:
         raise SystemExit(1)

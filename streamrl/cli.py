@@ -11,6 +11,7 @@ import time
 import click
 
 from streamrl import defaults as d
+from streamrl.cliopts import env_option
 
 
 class Ctx:
@@ -166,24 +167,14 @@ def up(c: Ctx, durable: bool) -> None:
         server.stop()
 
 
-def _parse_options(pairs: tuple[str, ...]) -> dict:
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise click.BadParameter(f"expected key=value, got {pair!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
-
-
 @main.command()
 @click.option("--env", "env_name", default=None, help="Environment (its generator).")
 @click.option("--dataset", type=click.Path(exists=True, dir_okay=False), help="JSONL rows.")
 @click.option(
-    "--count", type=click.IntRange(min=1), default=None, help="Prompts to push from the generator."
+    "--count",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Prompts to push from the generator (with --dataset: read the first N lines).",
 )
 @click.option("--group-size", type=click.IntRange(min=1), default=None)
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -193,10 +184,26 @@ def _parse_options(pairs: tuple[str, ...]) -> dict:
     type=click.Path(exists=True, dir_okay=False),
     help="Run config TOML.",
 )
-@click.option("--env-option", "env_opts", multiple=True, help="key=value (JSON values).")
+@env_option
 @click.option("--policy", "backend", default=None, help="Policy backend for the workers.")
+@click.option(
+    "--skip-policy-check",
+    is_flag=True,
+    help="Do not check the policy here (its model lives only on the worker machines).",
+)
 @pass_ctx
-def produce(c, env_name, dataset, count, group_size, seed, config_path, env_opts, backend) -> None:
+def produce(
+    c,
+    env_name,
+    dataset,
+    count,
+    group_size,
+    seed,
+    config_path,
+    env_options,
+    backend,
+    skip_policy_check,
+) -> None:
     """Push tasks: prompts from an environment's generator, or rows of a JSONL file.
 
     Also stores the run's config, which the workers read. A restarted producer continues where
@@ -207,6 +214,7 @@ def produce(c, env_name, dataset, count, group_size, seed, config_path, env_opts
     from streamrl.config import RunConfig, load_toml
     from streamrl.envs import make_env
     from streamrl.envs.registry import UnknownEnvironment
+    from streamrl.policy import check_policy
     from streamrl.producer import (
         BATCH,
         LearnerAdmission,
@@ -231,16 +239,27 @@ def produce(c, env_name, dataset, count, group_size, seed, config_path, env_opts
     c.run = cfg.run
     cfg.env = env_name or cfg.env
     cfg.group_size = group_size or cfg.group_size
-    cfg.env_options = {**cfg.env_options, **_parse_options(env_opts)}
+    cfg.env_options = {**cfg.env_options, **env_options}
     if backend:
         cfg.policy.backend = backend
     cfg = _validated(cfg)  # the flags above are config fields too
     if dataset is None and count is None:
         raise click.UsageError("give --count N (prompts from --env's generator) or --dataset")
+    # refuse what cannot run before anything is pushed: the leases would only fail on it
     try:
         env = make_env(cfg.env, **cfg.env_options)
-    except UnknownEnvironment as e:
+    except (UnknownEnvironment, ValueError, TypeError) as e:
         raise click.ClickException(str(e)) from None
+    if not skip_policy_check:
+        try:
+            check_policy(cfg.policy)
+        except (ValueError, OSError) as e:
+            hint = (
+                " (if the model is only on the worker machines, pass --skip-policy-check)"
+                if cfg.policy.backend == "hf"
+                else ""
+            )
+            raise click.ClickException(f"{e}{hint}") from None
     r = c.client(resilient=True)
     ensure_groups(r, Keys(c.run))
     r.delete(Keys(c.run).halt)
@@ -259,7 +278,7 @@ def produce(c, env_name, dataset, count, group_size, seed, config_path, env_opts
     batch = min(BATCH, admission_batch(cfg.learner, cfg.group_size) or BATCH)
     producer = Producer(r, c.run, admission=admission, batch_samples=batch)
     if dataset:
-        res = producer.from_jsonl(dataset, cfg.env, cfg.group_size)
+        res = producer.from_jsonl(dataset, cfg.env, cfg.group_size, limit=count)
     else:
         res = producer.from_env(env, count, cfg.group_size, seed=seed, env_spec=cfg.env)
     admission.finish()
@@ -381,13 +400,13 @@ def replay(c: Ctx, stage: str, offset: str) -> None:
 @click.option(
     "--limit", type=click.IntRange(min=1), default=None, help="At most this many samples."
 )
-@click.option("--env-option", "env_opts", multiple=True, help="key=value (JSON values).")
+@env_option
 @pass_ctx
-def reverify(c: Ctx, start: str, limit: int | None, env_opts: tuple[str, ...]) -> None:
+def reverify(c: Ctx, start: str, limit: int | None, env_options: dict) -> None:
     """Re-score stored trajectories with today's verifiers and print the drift as JSON."""
     from streamrl.verifiers.drift import drift_report
 
-    report = drift_report(c.client(), c.run, start, limit, env_options=_parse_options(env_opts))
+    report = drift_report(c.client(), c.run, start, limit, env_options=env_options)
     click.echo(json.dumps(report, indent=2))
 
 

@@ -594,17 +594,18 @@ class Producer:
         env: str,
         group_size: int,
         progress: Callable[[int], None] | None = None,
+        limit: int | None = None,
     ) -> ProduceResult:
-        """Push one prompt per row. A row that cannot be read (not UTF-8, not JSON, nested
-        too deeply, no prompt or an empty one, items of the wrong shape, an id used by an
-        earlier row) goes to the dead-letter stream with its line number and reason; every
-        other row is pushed."""
+        """Push one prompt per row of the first ``limit`` lines (all by default). A row that
+        cannot be read (not UTF-8, not JSON, nested too deeply, no prompt or an empty one, items
+        of the wrong shape, an id used by an earlier row) goes to the dead-letter stream with
+        its line number and reason; every other row is pushed."""
         path = Path(path)
         source = f"file:{path.resolve()}"
         res = ProduceResult(source)
         pos = self.position(source)
         res.skipped = pos
-        rows = list(_read_rows(path))
+        rows = list(_read_rows(path))[:limit]
         first_use: dict[str, int] = {}  # prompt id -> line number (0-based) of its first row
         for line_no in range(pos):  # rows pushed by an earlier producer keep their ids
             with contextlib.suppress(ValueError):

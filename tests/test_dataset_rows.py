@@ -81,3 +81,18 @@ def test_produce_command_reports_bad_rows_and_exits_zero(redis_url, r, subproces
     assert "Traceback" not in done.stderr
     assert r.xlen(Keys("cli-rows").tasks) == 2 * 3
     assert len(_dead(r, "cli-rows")) == sum(1 for _, why in ROWS if why is not None)
+
+
+def test_count_with_a_dataset_reads_that_many_lines(redis_url, r, subprocess_env, tmp_path):
+    """``--count N`` with ``--dataset`` used to be ignored; it now reads the first N lines, and
+    a later run with a larger N goes on from where the first stopped."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"row {i}"}) + "\n" for i in range(5)))
+    argv = ["--redis", redis_url, "--run", "cli-count", "produce", "--dataset", str(path)]
+    for count, pushed in ((2, 2), (4, 2), (4, 0)):
+        done = run_cli([*argv, "--env", "copy", "--group-size", "1", "--count", str(count)],
+                       subprocess_env)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert f"pushed {pushed} prompts" in done.stdout, done.stdout
+    prompts = [schema.TASK.decode(f[b"p"]).input for _, f in xrange_all(r, Keys("cli-count").tasks)]
+    assert [p[0].content for p in prompts] == [f"row {i}" for i in range(4)]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
@@ -43,10 +43,19 @@ class GameState(msgspec.Struct):
     seed: int = 0  # the opponent's blunders are drawn from (seed, ply)
 
 
+class GameOptions(msgspec.Struct, kw_only=True):
+    """Options every impartial game takes; each game adds its board's size."""
+
+    winning_fraction: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.5
+    blunder_rate: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
+    max_illegal: Annotated[int, msgspec.Meta(ge=1)] = 3
+
+
 class ImpartialGameEnv(Environment[GameState]):
     """Subclasses set ``game``, the tool, the move pattern and how to describe things."""
 
     State = GameState
+    Options = GameOptions
     game: ClassVar[Game]
     move_pattern: ClassVar[re.Pattern[str]]
     move_example: ClassVar[str]  # the syntax with placeholders: not itself a move

@@ -51,6 +51,14 @@ class ToolError(Exception):
     """Raised by a tool for a mistake the model made; the message goes back to the model."""
 
 
+class OptionError(ValueError):
+    """An environment option that the environment does not have, or a value it cannot take."""
+
+
+class NoOptions(msgspec.Struct):
+    pass
+
+
 class Environment(Generic[S]):
     """Subclass, set ``name``, ``State`` and ``tools``, and implement the methods you need."""
 
@@ -65,10 +73,39 @@ class Environment(Generic[S]):
     # The highest reward ``verify`` can give: the audit checks that the reference agent gets it.
     max_reward: ClassVar[float] = 1.0
 
+    # The options this environment takes (``--env-option``, ``env_options``): a Struct whose
+    # fields give each option's type, default and range, so a typo or a bad value is refused
+    # where it enters instead of being ignored. ``None`` takes any options unchecked (for
+    # environments written before options were declared).
+    Options: ClassVar[type[msgspec.Struct] | None] = NoOptions
+
     def __init__(self, **options: Any) -> None:
-        self.options = options
+        self.options = self.check_options(options)
         self._state_decoder = msgspec.msgpack.Decoder(self.State)
         self._tools_by_name = {t.name: t for t in self.tools}
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """The options with their declared defaults filled in, or OptionError saying which
+        option is wrong and what is allowed."""
+        if cls.Options is None:
+            return dict(options)
+        known = cls.Options.__struct_fields__
+        unknown = sorted(set(options) - set(known))
+        label = cls.name or cls.__name__
+        if unknown:
+            raise OptionError(
+                f"environment {label!r} has no option {', '.join(map(repr, unknown))}; "
+                f"known: {', '.join(known) or 'none'}"
+            )
+        try:
+            return msgspec.structs.asdict(msgspec.convert(options, cls.Options, strict=False))
+        except msgspec.ValidationError as e:
+            msg, _, where = str(e).partition(" - at `$.")
+            name = where.split("`")[0].split(".")[0].split("[")[0]
+            if name in options:
+                msg = f"{name}={options[name]!r}: {msg}"
+            raise OptionError(f"environment {label!r} option {msg}") from None
 
     # -- tasks
     def generate(self, rng: random.Random, index: int) -> Prompt:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from typing import Annotated
 
 import msgspec
 
@@ -40,6 +41,13 @@ class CodeEnv(Environment[CodeState]):
     verifier_name = "code-unit-tests"
     verifier_version = "2"
     State = CodeState
+
+    class Options(msgspec.Struct, kw_only=True):
+        templates: list[str] | None = None  # function templates to draw from; default all
+        tests: Annotated[int, msgspec.Meta(ge=1, le=100)] = 8
+        timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+        per_test_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+
     tools = []
 
     def generate(self, rng: random.Random, index: int) -> Prompt:

@@ -14,6 +14,7 @@ Options: ``symbols`` (how many symbols to copy, default 3).
 from __future__ import annotations
 
 import random
+from typing import Annotated
 
 import msgspec
 
@@ -31,6 +32,10 @@ class CopyEnv(Environment[CopyState]):
     name = "copy"
     version = "1"
     State = CopyState
+
+    class Options(msgspec.Struct, kw_only=True):
+        symbols: Annotated[int, msgspec.Meta(ge=1, le=64)] = 3
+
     tools = []
 
     def generate(self, rng: random.Random, index: int) -> Prompt:

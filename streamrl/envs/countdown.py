@@ -12,7 +12,7 @@ target, 0.1 for a rule-abiding one that misses, 0.0 otherwise. Single turn, no t
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -79,6 +79,10 @@ class CountdownEnv(Environment[CountdownState]):
     name = "countdown"
     version = "1"
     State = CountdownState
+
+    class Options(msgspec.Struct, kw_only=True):
+        count: Annotated[int, msgspec.Meta(ge=3, le=6)] = 4
+        max_target: Annotated[int, msgspec.Meta(ge=1)] = 999
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Annotated
 
 import msgspec
 
@@ -34,6 +35,11 @@ class CounterEnv(Environment[CounterState]):
     name = "counter"
     version = "1"
     State = CounterState
+
+    class Options(msgspec.Struct, kw_only=True):
+        steps: Annotated[int, msgspec.Meta(ge=1, le=100)] = 2
+        raise_on: int | None = None  # the add tool raises on this number (fault tests)
+
     tools = [
         FunctionTool(
             name="add",

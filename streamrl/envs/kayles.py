@@ -15,15 +15,22 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Any
+from typing import Annotated, Any
 
-from streamrl.envs._impartial import ImpartialGameEnv
+import msgspec
+
+from streamrl.envs._impartial import GameOptions, ImpartialGameEnv
 from streamrl.schema import FunctionTool
 from streamrl.verifiers.games import Kayles, Move
 
 
 class KaylesEnv(ImpartialGameEnv):
     name = "kayles"
+
+    class Options(GameOptions, kw_only=True):
+        rows: Annotated[int, msgspec.Meta(ge=1, le=10)] = 2
+        max_row: Annotated[int, msgspec.Meta(ge=1, le=30)] = 7
+
     version = "2"
     verifier_name = "grundy"
     verifier_version = "1"

@@ -174,6 +174,10 @@ class MathEnv(Environment[MathState]):
     version = "1"
     State = MathState
 
+    class Options(msgspec.Struct, kw_only=True):
+        dataset: str | None = None  # a JSONL file of problems instead of the generator
+        kinds: str | list[str] | None = None  # generator kinds, a list or "a,b"
+
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self._rows = load_dataset(options["dataset"]) if options.get("dataset") else None

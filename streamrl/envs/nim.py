@@ -14,15 +14,22 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Any
+from typing import Annotated, Any
 
-from streamrl.envs._impartial import ImpartialGameEnv
+import msgspec
+
+from streamrl.envs._impartial import GameOptions, ImpartialGameEnv
 from streamrl.schema import FunctionTool
 from streamrl.verifiers.games import Move, Nim
 
 
 class NimEnv(ImpartialGameEnv):
     name = "nim"
+
+    class Options(GameOptions, kw_only=True):
+        heaps: Annotated[int, msgspec.Meta(ge=1, le=10)] = 3
+        max_heap: Annotated[int, msgspec.Meta(ge=1, le=100)] = 5
+
     version = "2"
     verifier_name = "grundy"
     verifier_version = "1"

@@ -34,9 +34,17 @@ def _load(path: str) -> type[Environment]:
     module, _, attr = path.partition(":")
     if os.getcwd() not in sys.path:  # one-file environments next to where you run, as rq does
         sys.path.append(os.getcwd())
-    obj = getattr(importlib.import_module(module), attr)
+    if not module or not attr:
+        raise UnknownEnvironment(f"environment {path!r}: expected module:Class")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise UnknownEnvironment(f"environment {path!r}: cannot import {module}: {e}") from e
+    obj = getattr(mod, attr, None)
+    if obj is None:
+        raise UnknownEnvironment(f"environment {path!r}: module {module} has no {attr!r}")
     if not (isinstance(obj, type) and issubclass(obj, Environment)):
-        raise TypeError(f"{path} is not an Environment subclass")
+        raise UnknownEnvironment(f"environment {path!r} is not an Environment subclass")
     return obj
 
 

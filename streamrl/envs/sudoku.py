@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import random
 import re
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -57,6 +58,11 @@ class SudokuEnv(Environment[SudokuState]):
     verifier_name = "sudoku"
     verifier_version = "1"
     State = SudokuState
+
+    class Options(msgspec.Struct, kw_only=True):
+        size: Literal[4, 6, 9] = 4
+        max_blanks: Annotated[int, msgspec.Meta(ge=1)] | None = None
+
     tools = [
         FunctionTool(
             name="place",

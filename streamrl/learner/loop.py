@@ -42,7 +42,7 @@ from click.core import ParameterSource
 from streamrl import health, schema
 from streamrl.bus.keys import Keys
 from streamrl.bus.streams import ensure_groups
-from streamrl.connection import check_url, connect, resolve_url
+from streamrl.connection import check_url, connect, redact, resolve_url
 from streamrl.defaults import DEFAULT_RUN, LEARNER_GROUP, RUN_DIR
 from streamrl.learner import publish
 from streamrl.learner._failpoints import failpoint
@@ -63,6 +63,7 @@ from streamrl.learner.model import (
     seed_everything,
 )
 from streamrl.learner.train import StepStats, make_optimizer, train_step
+from streamrl.models.local import ModelNotFound, require_model_dir
 from streamrl.workers.context import read_config
 
 log = structlog.get_logger("streamrl.learner")
@@ -376,6 +377,14 @@ def learn_command(
         check_url(resolved)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    try:
+        require_model_dir(cfg.model, "learner.model")
+    except ModelNotFound as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        connect(resolved).ping()
+    except redis.RedisError as e:
+        raise click.ClickException(redact(f"cannot reach Redis at {resolved}: {e}")) from None
     if run is None:
         with open(config_path, "rb") as f:
             run = str(tomllib.load(f).get("run", DEFAULT_RUN))

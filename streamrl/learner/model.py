@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from streamrl.learner.config import LearnerConfig
+from streamrl.models.local import require_model_dir
 
 
 def resolve_device(name: str) -> torch.device:
@@ -34,6 +35,7 @@ def load_model(cfg: LearnerConfig) -> tuple[nn.Module, Any, torch.device]:
 
     device = resolve_device(cfg.device)
     dtype = getattr(torch, cfg.dtype)
+    require_model_dir(cfg.model, "learner.model")
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     if cfg.lora_r > 0:

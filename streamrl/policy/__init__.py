@@ -31,4 +31,24 @@ def make_policy(config: PolicyConfig, env: Environment, **kw: Any) -> Policy:
     raise ValueError(f"unknown policy backend {config.backend!r} (known: {', '.join(BACKENDS)})")
 
 
-__all__ = ["Policy", "PolicyError", "PolicyRequest", "make_policy"]
+def check_policy(config: PolicyConfig) -> None:
+    """What can be checked of a backend without loading it, so ``produce`` refuses a run whose
+    leases would only fail: ValueError (or ModelNotFound) saying what is missing."""
+    from urllib.parse import urlparse
+
+    if config.backend == "hf":
+        from streamrl.models.local import require_model_dir
+
+        require_model_dir(config.model, "policy.model")
+    elif config.backend == "openai":
+        url = urlparse(config.base_url)
+        if url.scheme not in ("http", "https") or not url.netloc:
+            raise ValueError(
+                f"policy.base_url = {config.base_url!r}: the openai backend needs the "
+                "server's http(s) URL, e.g. http://127.0.0.1:8000/v1"
+            )
+        if not config.model:
+            raise ValueError("policy.model is empty: the openai backend needs the served model")
+
+
+__all__ = ["Policy", "PolicyError", "PolicyRequest", "check_policy", "make_policy"]

@@ -57,6 +57,7 @@ from streamrl.bus.keys import Keys
 from streamrl.config import PolicyConfig
 from streamrl.defaults import DEFAULT_RUN
 from streamrl.envs.base import Environment
+from streamrl.models.local import require_model_dir
 from streamrl.policy import _chat
 from streamrl.policy._versions import latest_version
 from streamrl.policy.base import Policy, PolicyError, PolicyRequest
@@ -134,8 +135,7 @@ class HFPolicy(Policy):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if not config.model:
-            raise ValueError("the hf backend needs policy.model: a model directory")
+        require_model_dir(config.model, "policy.model")
         self.config = config
         self.env = env
         opts = config.options

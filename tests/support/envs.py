@@ -15,6 +15,9 @@ class SlowVerifyCounter(CounterEnv):
 
     name = "slow-verify-counter"
 
+    class Options(CounterEnv.Options, kw_only=True):
+        verify_sleep_s: float = 0.05
+
     def verify(self, task: Task, trajectory: Trajectory, state: CounterState) -> Verdict:
         time.sleep(float(self.options.get("verify_sleep_s", 0.05)))
         return super().verify(task, trajectory, state)
@@ -52,3 +55,12 @@ class StrictCounter(CounterEnv):
     def verify(self, task: Task, trajectory: Trajectory, state: CounterState) -> Verdict:
         v = super().verify(task, trajectory, state)
         return Verdict(reward=v.reward * 0.5, components=v.components, details=v.details)
+
+
+class BrokenInitEnv(CounterEnv):
+    """An environment that crashes while it is built: a bug, not a bad option."""
+
+    name = "broken-init"
+
+    def __init__(self, **options: object) -> None:
+        raise RuntimeError("this environment cannot start")
