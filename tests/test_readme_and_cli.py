@@ -126,12 +126,12 @@ def test_embedded_redis_durable_writes_an_aof(tmp_path):
 def test_produce_takes_the_run_from_the_config_unless_given(redis_url, subprocess_env, r):
     env = {**subprocess_env, "STREAMRL_REDIS_URL": redis_url}
     env.pop("STREAMRL_RUN", None)
-    out = _cli(["produce", "--config", "configs/copy-tiny.toml", "--count", "2"], env)
+    # the model lives only where the workers run: the producer is told not to look for it
+    base = ["produce", "--config", "configs/copy-tiny.toml", "--skip-policy-check"]
+    out = _cli([*base, "--count", "2"], env)
     assert out.returncode == 0, out.stderr
     assert r.xlen("srl:{copy-tiny}:tasks") == 16  # group_size 8 from the file
-    out = _cli(
-        ["--run", "mine", "produce", "--config", "configs/copy-tiny.toml", "--count", "1"], env
-    )
+    out = _cli(["--run", "mine", *base, "--count", "1"], env)
     assert out.returncode == 0, out.stderr
     assert r.xlen("srl:{mine}:tasks") == 8
 

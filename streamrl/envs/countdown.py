@@ -81,15 +81,13 @@ class CountdownEnv(Environment[CountdownState]):
     State = CountdownState
 
     class Options(msgspec.Struct, kw_only=True):
-        count: Annotated[int, msgspec.Meta(ge=3, le=6)] = 4
+        count: Annotated[int, msgspec.Meta(ge=3, le=6)] = 4  # numbers per puzzle
         max_target: Annotated[int, msgspec.Meta(ge=1)] = 999
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
-        self.count = int(options.get("count", 4))
-        self.max_target = int(options.get("max_target", 999))
-        if not 3 <= self.count <= 6:
-            raise ValueError("countdown count must be between 3 and 6")
+        self.count = self.options["count"]
+        self.max_target = self.options["max_target"]
 
     def generate(self, rng: random.Random, index: int) -> Prompt:
         numbers, target, solution = make_puzzle(rng, self.count, self.max_target)

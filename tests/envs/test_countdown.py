@@ -84,5 +84,5 @@ def test_reference_scores_max_and_wrong_scores_partial() -> None:
 
 
 def test_bad_count_is_rejected() -> None:
-    with pytest.raises(ValueError, match="between 3 and 6"):
+    with pytest.raises(ValueError, match="count=9: Expected `int` <= 6"):
         make_env("countdown", count=9)
