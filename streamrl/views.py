@@ -51,6 +51,17 @@ def status_table(info: dict[str, Any]) -> Table:
         foot.add_row(
             "learner step", str(ln.get("step")), "groups applied", str(ln.get("groups_applied"))
         )
+        drops = [
+            f"{reason.replace('_', ' ')} {100 * float(ln[key]):.0f}%"
+            for reason in ("zero_variance", "stale", "no_tokens", "invalid")
+            if float(ln.get(key := f"dropped_fraction_{reason}", 0) or 0) > 0
+        ]
+        foot.add_row(
+            "policy entropy",
+            str(ln.get("entropy", "-")),
+            "learner dropped",
+            ", ".join(drops) or "none",
+        )
     pr = info.get("producer") or {}
     if pr.get("state") == "waiting":
         foot.add_row("producer", f"waiting {pr.get('waiting_s', 0)} s", "", str(pr.get("message")))

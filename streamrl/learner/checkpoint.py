@@ -48,6 +48,13 @@ class Counters(msgspec.Struct, kw_only=True):
         for f in self.__struct_fields__:
             setattr(self, f, getattr(self, f) + getattr(other, f))
 
+    def drop_fractions(self) -> dict[str, float]:
+        """Of the groups consumed, the fraction dropped for each reason: the rollouts the
+        learner paid for and could not use."""
+        n = max(1, self.groups_consumed)
+        reasons = ("stale", "zero_variance", "no_tokens", "invalid")
+        return {r: round(getattr(self, f"dropped_{r}") / n, 4) for r in reasons}
+
 
 class LearnerState(msgspec.Struct, kw_only=True):
     """Everything besides tensors that a restart needs. ``last_id``: the newest ``groups``

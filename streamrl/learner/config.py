@@ -51,6 +51,9 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     beta: float = 0.0  # KL coefficient to the reference (initial) model; 0 = no reference model
     use_bias_correction_kl: bool = True
     temperature: float = 1.0  # the sampler's temperature: logits are divided by it
+    # Entropy bonus: loss -= entropy_coef × mean token entropy. Against collapse to a
+    # deterministic policy, whose groups all score alike and are dropped as zero-variance.
+    entropy_coef: float = 0.0
     max_completion_length: int = 512  # dr_grpo's constant normaliser
 
     # -- optimizer (AdamW) and schedule
@@ -96,6 +99,7 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             (self.max_staleness >= 0, "max_staleness must be >= 0"),
             (0 < self.block_ms <= 5000, "block_ms must be in (0, 5000]"),
             (self.temperature > 0, "temperature must be > 0"),
+            (self.entropy_coef >= 0, "entropy_coef must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:

@@ -174,11 +174,14 @@ class Learner:
         st.reward_mean = stats.reward_mean
         st.loss = stats.loss
         self.unacked.extend(w.ids)
+        consumed, drops = w.counters.groups_consumed, w.counters.drop_fractions()
         self.window = Window()
         self.last = stats
         log.info(
             "step", step=st.step, loss=round(stats.loss, 6), reward_mean=stats.reward_mean,
-            grad_norm=round(stats.grad_norm, 4), lr=stats.lr, tokens=stats.tokens,
+            entropy=round(stats.entropy, 4), grad_norm=round(stats.grad_norm, 4), lr=stats.lr,
+            tokens=stats.tokens, groups_consumed=consumed,
+            dropped={k: v for k, v in drops.items() if v},
         )  # fmt: skip
         if st.step % cfg.sync_every == 0:
             st.policy_version += 1
@@ -238,6 +241,9 @@ class Learner:
         }
         if self.last is not None:
             fields.update(lr=self.last.lr, grad_norm=self.last.grad_norm)
+            fields["entropy"] = round(self.last.entropy, 4)
+        for reason, frac in c.drop_fractions().items():
+            fields[f"dropped_fraction_{reason}"] = frac
         if self.group_size:
             # admission control: rollouts may run (max_staleness + 1) batches ahead, no more
             batch = self.cfg.batch_groups * self.group_size

@@ -85,6 +85,17 @@ def token_logps(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Ten
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def token_entropy(logits: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy of the sampling distribution (softmax of logits / temperature) at each position
+    where ``mask`` is set, as a flat (N,) tensor: only those rows of the (B, T, V) logits are
+    expanded, which matters with a large vocabulary."""
+    rows = logits[mask.bool()]
+    if temperature != 1.0:
+        rows = rows / temperature
+    logp = torch.log_softmax(rows.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
 def clipped_surrogate(
     logps: Tensor,
     old_logps: Tensor,

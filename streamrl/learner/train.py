@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from streamrl.learner.batch import Batch
 from streamrl.learner.config import LearnerConfig
-from streamrl.learner.losses import policy_loss, token_logps
+from streamrl.learner.losses import policy_loss, token_entropy, token_logps
 
 
 def sequence_logps(
@@ -29,6 +29,13 @@ class StepStats:
     tokens: int
     sequences: int
     reward_mean: float
+    entropy: float = 0.0  # mean token entropy of the policy on the batch's completions (nats)
+
+
+@dataclass
+class BatchLoss:
+    loss: float
+    entropy: float  # mean over the batch's completion tokens
 
 
 def batch_loss(
@@ -37,9 +44,14 @@ def batch_loss(
     cfg: LearnerConfig,
     ref_model: nn.Module | None = None,
     backward: bool = True,
-) -> float:
+) -> BatchLoss:
     """The batch's loss (see ``losses.policy_loss``), computed in chunks of
     ``cfg.micro_batch_size`` sequences whose gradients accumulate into ``.grad``.
+
+    The policy's mean token entropy is measured on every batch (a collapse to a deterministic
+    policy shows there first); with ``entropy_coef > 0`` the loss also subtracts
+    ``entropy_coef × mean entropy``, which keeps the policy sampling different completions, so
+    its groups keep a reward spread to learn from.
 
     π_old is the model itself, detached (TRL with ``num_iterations=1``): the PPO ratio is 1 in
     value, and the off-policy correction is the importance weight π_θ/μ against the behaviour
@@ -49,13 +61,20 @@ def batch_loss(
     """
     device = next(model.parameters()).device
     chunks = batch.chunks(cfg.micro_batch_size)
-    total = 0.0
+    total = entropy_sum = 0.0
     for rows in chunks:
         ids = batch.input_ids[rows].to(device)
         attn = batch.attention_mask[rows].to(device)
         mask = batch.mask[rows].to(device)
         behaviour = batch.behaviour_logps[rows].to(device)
-        logps = sequence_logps(model, ids, attn, cfg.temperature)
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        logps = token_logps(logits, ids[:, 1:], cfg.temperature)
+        if cfg.entropy_coef > 0:
+            entropy = token_entropy(logits, mask, cfg.temperature).sum()
+        else:
+            with torch.no_grad():
+                entropy = token_entropy(logits.detach(), mask, cfg.temperature).sum()
+        entropy_sum += float(entropy.detach())
         old = logps.detach()
         if cfg.clip_against == "behaviour":
             old = torch.where(torch.isnan(behaviour), old, behaviour)
@@ -86,10 +105,12 @@ def batch_loss(
             num_tokens=float(batch.num_tokens),
             num_chunks=len(chunks),
         )
+        if cfg.entropy_coef > 0:
+            loss = loss - cfg.entropy_coef * entropy / max(1, batch.num_tokens)
         if backward:
             loss.backward()
         total += float(loss.detach())
-    return total
+    return BatchLoss(total, entropy_sum / max(1, batch.num_tokens))
 
 
 def lr_at(step: int, cfg: LearnerConfig) -> float:
@@ -128,7 +149,7 @@ def train_step(
     """Zero grads, accumulate the batch's gradient, clip, set the LR for ``step``, update."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    loss = batch_loss(model, batch, cfg, ref_model)
+    measured = batch_loss(model, batch, cfg, ref_model)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if cfg.max_grad_norm > 0:
         norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm, foreach=False))
@@ -142,7 +163,8 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     rewards = batch.rewards
     return StepStats(
-        loss=loss,
+        loss=measured.loss,
+        entropy=measured.entropy,
         grad_norm=norm,
         lr=lr,
         tokens=batch.num_tokens,

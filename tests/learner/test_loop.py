@@ -87,6 +87,11 @@ def test_drops_counts_publishes_and_reports(redis_url, r, tiny_dir, tmp_path):
     assert h["status"] == "stopped" and int(h["step"]) == state.step
     assert int(h["last_checkpoint_step"]) == state.step
     assert int(h["groups_consumed"]) == 11
+    # what status shows: the share of consumed groups dropped per reason, and the entropy
+    for reason in ("stale", "zero_variance", "no_tokens", "invalid"):
+        frac = float(h[f"dropped_fraction_{reason}"])
+        assert frac == pytest.approx(getattr(c, f"dropped_{reason}") / 11, abs=1e-4), reason
+    assert 0 < float(h["entropy"]) < 10
 
     announced = [schema.POLICY_VERSION.decode(f[b"p"]) for _, f in r.xrange(keys.policy)]
     assert [pv.version for pv in announced] == list(range(state.step + 1))

@@ -215,7 +215,7 @@ def _streamrl_loss(model_dir, data, cfg: LearnerConfig):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).train()
     batch = make_batch(_groups(data), build_tokenizer().pad_token_id, cfg.scale_rewards)
-    loss = batch_loss(model, batch, cfg)
+    loss = batch_loss(model, batch, cfg).loss
     return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
