@@ -523,11 +523,19 @@ def bench_offpolicy(lag: int, steps: int, seconds: float, seed: int, as_json: bo
 @click.option("--seconds", default=300.0, show_default=True, help="Stop after this long.")
 @click.option("--target", default=0.9, show_default=True, help="Stop at this mean reward.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary as the last line.")
-def demo(seconds: float, target: float, as_json: bool) -> None:
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Run config (default: the shipped configs/copy-tiny.toml); its model is replaced by "
+    "a freshly built tiny model.",
+)
+def demo(seconds: float, target: float, as_json: bool, config_path: str | None) -> None:
     """Train a tiny model on `copy` through the whole pipeline, on a private Redis, live."""
     from streamrl.demo import train_demo
 
-    res = train_demo(seconds=seconds, target=target, live=not as_json)
+    res = train_demo(seconds=seconds, target=target, live=not as_json, config=config_path)
     click.echo(json.dumps(res) if as_json else json.dumps(res, indent=2))
 
 
@@ -566,9 +574,11 @@ class LazyCommand(click.Command):
 def _register_optional() -> None:
     """Commands that live next to what they drive."""
     from streamrl.audit import audit_command
+    from streamrl.evaluate import eval_command
     from streamrl.verifiers.sandbox import sandbox_group
 
     main.add_command(audit_command, "audit")
+    main.add_command(eval_command, "eval")
     main.add_command(LazyCommand("streamrl.learner.loop:learn_command", "learn", _LEARN_HELP))
     main.add_command(sandbox_group, "sandbox")
 

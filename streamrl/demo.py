@@ -27,7 +27,7 @@ from rich.live import Live
 from rich.table import Table
 
 from streamrl import health
-from streamrl.config import PolicyConfig, RolloutConfig, RunConfig
+from streamrl.config import RunConfig, load_toml
 from streamrl.envs import make_env
 from streamrl.pipeline import LocalPipeline
 from streamrl.producer import LearnerAdmission, Producer, admission_limit
@@ -35,31 +35,13 @@ from streamrl.status import collect
 from streamrl.views import RewardFeed, status_table
 
 RUN = "demo"
-GROUP_SIZE = 8
+# What the demo runs: the shipped config the README's Training section runs by hand, so the
+# two cannot drift apart. Only the model directory, the run name and the output dir differ.
+DEMO_CONFIG = Path(__file__).parent / "configs" / "copy-tiny.toml"
 
-# The learner's settings, written into the run's TOML (a config you can reuse with
-# `streamrl learn --config`).
-LEARNER = {
-    "device": "cpu",
-    "torch_threads": 1,
-    "seed": 0,
-    "batch_groups": 8,
-    "max_staleness": 2,
-    "loss_type": "dapo",
-    "scale_rewards": "group",
-    "epsilon": 0.2,
-    "epsilon_high": 0.28,
-    "importance_sampling": "token_truncate",
-    "importance_sampling_max": 2.0,
-    "temperature": 1.0,
-    "max_completion_length": 4,
-    "lr": 5e-4,
-    "warmup_steps": 5,
-    "max_grad_norm": 1.0,
-    "checkpoint_every": 50,
-    "sync_every": 2,
-    "keep_policy_versions": 3,
-}
+
+def demo_config(path: str | Path | None = None) -> RunConfig:
+    return load_toml(path or DEMO_CONFIG)
 
 
 def _toml(run: RunConfig, learner: dict) -> str:
@@ -96,6 +78,7 @@ def train_demo(
     admission_batches: int | None = None,
     seed: int = 0,
     stop_at_target: bool = True,
+    config: str | Path | None = None,
 ) -> dict:
     """Returns the JSON summary. ``target=None`` trains until ``seconds`` or ``max_steps``
     learner steps; ``admission_batches`` fixes the in-flight window (in learner batches)
@@ -104,11 +87,14 @@ def train_demo(
 
     console = Console(stderr=True)
     started = time.monotonic()
-    with LocalPipeline(_config(""), directory=directory) as p:
+    cfg = demo_config(config)
+    cfg.run = RUN
+    group_size = cfg.group_size
+    with LocalPipeline(cfg, directory=directory) as p:
         model_dir = save_tiny(p.dir / "model")
-        cfg = _config(str(model_dir))
+        cfg.policy.model = str(model_dir)
         cfg.policy.options.update({"seed": seed, **(policy_options or {})})
-        learner = {"model": str(model_dir), "output_dir": str(p.dir / "learner"), **LEARNER}
+        learner = {**cfg.learner, "model": str(model_dir), "output_dir": str(p.dir / "learner")}
         learner["seed"] = seed
         learner.update(learner_overrides or {})
         from streamrl.workers.context import write_config
@@ -118,7 +104,7 @@ def train_demo(
         config_path = p.dir / "demo.toml"
         config_path.write_text(_toml(cfg, learner))
         console.print(
-            f"[bold]streamrl demo[/]: tiny Llama learning `copy` - Redis {p.url}, "
+            f"[bold]streamrl demo[/]: tiny Llama learning `{cfg.env}` - Redis {p.url}, "
             f"config {config_path}, logs {p.dir}/logs"
         )
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -143,13 +129,13 @@ def train_demo(
             env=env,
         )
         stop = threading.Event()
-        batch = learner["batch_groups"] * GROUP_SIZE
+        batch = learner["batch_groups"] * group_size
         if admission_batches is not None:
             limit = admission_batches * batch
         else:
-            limit = admission_limit(learner, GROUP_SIZE)
+            limit = admission_limit(learner, group_size)
         admission = LearnerAdmission(
-            p.r, RUN, GROUP_SIZE, limit=limit, override=admission_batches is not None
+            p.r, RUN, group_size, limit=limit, override=admission_batches is not None
         )
 
         def admit(n: int) -> None:
@@ -161,7 +147,7 @@ def train_demo(
             try:
                 # one learner batch per push, so admission can keep the pipe full
                 Producer(p.r, RUN, admission=admit, batch_samples=batch).from_env(
-                    make_env("copy"), 10**7, GROUP_SIZE, seed=seed
+                    make_env(cfg.env, **cfg.env_options), 10**7, group_size, seed=seed
                 )
             except Stopped:
                 pass
@@ -243,22 +229,6 @@ def train_demo(
 
 def feed_count(feed: RewardFeed) -> int:
     return sum(len(v) for v in feed.by_version.values())
-
-
-def _config(model_dir: str) -> RunConfig:
-    return RunConfig(
-        run=RUN,
-        env="copy",
-        group_size=GROUP_SIZE,
-        policy=PolicyConfig(
-            backend="hf",
-            model=model_dir,
-            temperature=1.0,
-            max_new_tokens=4,
-            options={"max_batch": 256, "reload_check_s": 0.1},
-        ),
-        rollout=RolloutConfig(max_concurrent=256, read_batch=128, lease_seconds=600),
-    )
 
 
 def _mean(xs: list[float]) -> float | None:

