@@ -39,12 +39,14 @@ def _combine(rng: random.Random, a: tuple[int, str], b: tuple[int, str]) -> tupl
         return x + y, f"({ex} + {ey})"
     if op == "-":
         return (x - y, f"({ex} - {ey})") if x > y else (y - x, f"({ey} - {ex})")
+    # every sub-expression is parenthesized: "a * b / c" read left to right is not the
+    # "a * (b / c)" that was built, and its division need not be exact (prompt 640 of seed 0)
     if op == "*":
-        return (x * y, f"{ex} * {ey}") if min(x, y) > 1 and x * y <= 10_000 else None
+        return (x * y, f"({ex} * {ey})") if min(x, y) > 1 and x * y <= 10_000 else None
     if y > 1 and x % y == 0:
-        return x // y, f"{ex} / {ey}"
+        return x // y, f"({ex} / {ey})"
     if x > 1 and y % x == 0:
-        return y // x, f"{ey} / {ex}"
+        return y // x, f"({ey} / {ex})"
     return None
 
 

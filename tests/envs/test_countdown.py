@@ -86,3 +86,12 @@ def test_reference_scores_max_and_wrong_scores_partial() -> None:
 def test_bad_count_is_rejected() -> None:
     with pytest.raises(ValueError, match="count=9: Expected `int` <= 6"):
         make_env("countdown", count=9)
+
+
+def test_every_prompt_the_producer_derives_is_a_valid_puzzle() -> None:
+    """Prompt 640 of seed 0 used to raise: its solution "a * b / c" was built as a * (b / c)
+    but reads left to right, and the generator's own check refused the inexact division."""
+    env = make_env("countdown")
+    for i in range(1000):
+        prompt = env.generate(random.Random(f"0:{i}"), i)
+        assert evaluate(prompt.data["solution"], prompt.data["numbers"]) == prompt.data["target"]
