@@ -9,7 +9,6 @@ work horses, redis-server) over the timed window, read from /proc.
 from __future__ import annotations
 
 import os
-import resource
 import time
 from collections.abc import Callable
 
@@ -18,26 +17,8 @@ import redis
 from streamrl.config import PolicyConfig, RolloutConfig, RunConfig, VerifyConfig
 from streamrl.envs import make_env
 from streamrl.pipeline import LocalPipeline, task_ids
-from streamrl.procs import proc_table, tree
+from streamrl.procs import self_cpu, tree_cpu
 from streamrl.producer import Producer
-
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def tree_cpu(roots: list[int]) -> float:
-    """CPU seconds used by ``roots`` and all their descendants, living or reaped (a reaped
-    child's time is in its parent's cutime/cstime)."""
-    children, stats = proc_table()
-    return sum(
-        sum(int(x) for x in stats[pid][11:15]) / _TICK  # utime stime cutime cstime
-        for pid in tree(roots, children)
-        if pid in stats
-    )
-
-
-def self_cpu() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
 
 
 def _commands(r: redis.Redis) -> tuple[int, int]:

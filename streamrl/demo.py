@@ -30,6 +30,7 @@ from streamrl import health
 from streamrl.config import RunConfig, load_toml
 from streamrl.envs import make_env
 from streamrl.pipeline import LocalPipeline
+from streamrl.procs import self_cpu, tree_cpu
 from streamrl.producer import LearnerAdmission, Producer, admission_limit
 from streamrl.status import collect
 from streamrl.views import RewardFeed, status_table
@@ -251,7 +252,6 @@ def _frame(feed: RewardFeed, info: dict, started: float, recent: deque) -> RichG
 
 def _cpu_by_role(p: LocalPipeline, learner: subprocess.Popen) -> dict[str, float]:
     """CPU seconds each part of the demo used so far (from /proc), to see what limits it."""
-    from streamrl.bench import self_cpu, tree_cpu
 
     out: dict[str, float] = {"learner": tree_cpu([learner.pid]), "driver": self_cpu()}
     for name, proc in p.procs.procs if p.procs else []:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -113,3 +114,22 @@ class WorkerProcs:
                 self.kill(p, signal.SIGKILL)
                 p.wait()
         self.procs.clear()
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu(roots: list[int]) -> float:
+    """CPU seconds used by ``roots`` and all their descendants, living or reaped (a reaped
+    child's time is in its parent's cutime/cstime)."""
+    children, stats = proc_table()
+    return sum(
+        sum(int(x) for x in stats[pid][11:15]) / _TICK  # utime stime cutime cstime
+        for pid in tree(roots, children)
+        if pid in stats
+    )
+
+
+def self_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
+from streamrl.envs._workplace_state import Contact, WorkplaceState
 from streamrl.envs.base import Prompt, user
 from streamrl.schema import Message
 from streamrl.verifiers.workplace import AnswerSpec, EmailSpec, EventChanges, EventSpec, Expect
-
-if TYPE_CHECKING:
-    from streamrl.envs.workplace import Contact, WorkplaceState
 
 ME_NAME, ME = "Sam Rivera", "sam.rivera@acme.test"
 TODAY = "2025-03-03"

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from streamrl.envs import _workplace_tasks as tasks
+from streamrl.envs._workplace_state import Email, Event, WorkplaceState
 from streamrl.envs.base import (
     Environment,
     Prompt,
@@ -38,45 +39,6 @@ from streamrl.schema import (
     Trajectory,
 )
 from streamrl.verifiers import workplace as checker
-
-
-class Contact(msgspec.Struct, kw_only=True):
-    id: str
-    name: str
-    email: str
-    phone: str
-    team: str
-    title: str
-    manager: str = ""  # the manager's contact id
-
-
-class Email(msgspec.Struct, kw_only=True):
-    id: str
-    sender: str
-    to: list[str]
-    cc: list[str] = []
-    subject: str
-    body: str
-    day: str
-
-
-class Event(msgspec.Struct, kw_only=True):
-    id: str
-    title: str
-    day: str
-    start: str
-    end: str
-    attendees: list[str] = []
-
-
-class WorkplaceState(msgspec.Struct, kw_only=True):
-    me: str
-    contacts: list[Contact]
-    inbox: list[Email]
-    sent: list[Email] = []
-    events: list[Event] = []
-    next_id: int = 1
-    seen: list[str] = []  # ids of the records tools have shown the agent, for grounding answers
 
 
 def _tool(name: str, description: str, required: list[str], **props: Any) -> FunctionTool:

@@ -18,14 +18,11 @@ tau-bench, partial progress earns nothing, so side effects cannot be traded for 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 import msgspec
 
+from streamrl.envs._workplace_state import Email, Event, WorkplaceState
 from streamrl.envs.base import Verdict
-
-if TYPE_CHECKING:
-    from streamrl.envs.workplace import Email, Event, WorkplaceState
 
 
 class EmailSpec(msgspec.Struct, kw_only=True):
