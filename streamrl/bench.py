@@ -137,6 +137,9 @@ def offpolicy_bench(
                 "training_seconds_to_target",
                 "learner_steps",
                 "groups_trained",
+                "applied_staleness",
+                "is_clipped_fraction",
+                "groups_dropped_stale",
             )
         }
         say(f"  {out['runs'][name]}")

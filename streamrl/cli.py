@@ -499,6 +499,34 @@ def bench_chaos(
         sys.exit(1)
 
 
+@bench.command("vs-trl")
+@click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option(
+    "--trl-lr",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="TRL's learning rate (default: its fastest on this task, see streamrl/trl_baseline.py).",
+)
+@click.option("--seconds", type=click.FloatRange(min=1), default=300.0, show_default=True)
+@click.option("--target", type=click.FloatRange(0, 1), default=0.9, show_default=True)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="streamrl's run config (default: configs/copy-tiny.toml, what the demo runs).",
+)
+@click.option("--json", "as_json", is_flag=True)
+def bench_vs_trl(runs, trl_lr, seconds, target, config_path, as_json) -> None:
+    """streamrl demo vs TRL GRPOTrainer: whole-process seconds to the target reward, cold
+    start included, both from this one command, with the ratio."""
+    from streamrl.vs_trl import vs_trl
+
+    say = lambda m: click.echo(m, err=True)  # noqa: E731  (stderr: stdout stays JSON)
+    res = vs_trl(runs, trl_lr, seconds, target, config_path, progress=say)
+    click.echo(json.dumps(res) if as_json else json.dumps(res, indent=2))
+
+
 @bench.command("offpolicy")
 @click.option("--lag", default=4, show_default=True, help="Policy versions rollouts lag by.")
 @click.option("--steps", default=500, show_default=True, help="Learner steps per run.")

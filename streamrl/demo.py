@@ -162,7 +162,7 @@ def train_demo(
         feed = RewardFeed(p.r, RUN, start="0-0")
         recent: deque[float] = deque(maxlen=window)
         first: list[float] = []
-        reached = None
+        reached = reached_at = None
         first_step_at = None  # training time is measured from the learner's first step
         reached_step = None
         drawn = 0.0
@@ -190,6 +190,7 @@ def train_demo(
                     at_target = target is not None and full and sum(recent) / window >= target
                     if at_target and reached is None:
                         reached = time.monotonic() - started
+                        reached_at = time.time()
                         reached_step = step
                     if at_target and stop_at_target:
                         break
@@ -216,6 +217,7 @@ def train_demo(
             "newest_rollout_version": max(feed.by_version, default=0),
             "seconds": round(time.monotonic() - started, 2),
             "seconds_to_target": round(reached, 2) if reached is not None else None,
+            "reached_at": reached_at,  # epoch seconds: `bench vs-trl` times from the launch
             "steps_to_target": reached_step,
             "startup_seconds": round(first_step_at, 2) if first_step_at is not None else None,
             "training_seconds_to_target": (
@@ -225,11 +227,24 @@ def train_demo(
             ),
             "target": target,
             "cpu_seconds": cpu,
+            # off-policy evidence (bench offpolicy): versions behind at training time, the
+            # share of importance weights clipped, groups dropped as too stale
+            "applied_staleness": _staleness(info.get("applied_staleness")),
+            "is_clipped_fraction": info.get("is_clipped_fraction"),
+            "groups_dropped_stale": info.get("dropped_stale", 0),
+            "entropy": info.get("entropy"),
         }
 
 
 def feed_count(feed: RewardFeed) -> int:
     return sum(len(v) for v in feed.by_version.values())
+
+
+def _staleness(text: object) -> dict[int, int]:
+    import json
+
+    raw = json.loads(text) if isinstance(text, str) and text else {}
+    return {int(k): v for k, v in sorted(raw.items(), key=lambda kv: int(kv[0]))}
 
 
 def _mean(xs: list[float]) -> float | None:

@@ -43,10 +43,21 @@ class Counters(msgspec.Struct, kw_only=True):
     dropped_invalid: int = 0
     samples_consumed: int = 0
     tokens_trained: int = 0
+    # off-policy evidence: applied groups by how many versions behind the learner they were
+    # ("0", "1", ...), and completion tokens whose importance weight π_old/μ fell outside
+    # [importance_sampling_min, importance_sampling_max] (truncated or masked) of those with μ
+    staleness: dict[str, int] = msgspec.field(default_factory=dict)
+    is_tokens: int = 0
+    is_clipped: int = 0
 
     def add(self, other: Counters) -> None:
         for f in self.__struct_fields__:
-            setattr(self, f, getattr(self, f) + getattr(other, f))
+            mine, theirs = getattr(self, f), getattr(other, f)
+            if isinstance(mine, dict):
+                for k, v in theirs.items():
+                    mine[k] = mine.get(k, 0) + v
+            else:
+                setattr(self, f, mine + theirs)
 
     def drop_fractions(self) -> dict[str, float]:
         """Of the groups consumed, the fraction dropped for each reason: the rollouts the

@@ -154,9 +154,10 @@ class Learner:
             w.counters.dropped_no_tokens += 1
         elif is_zero_variance(group):
             w.counters.dropped_zero_variance += 1
-        elif staleness(group, self.state.policy_version) > self.cfg.max_staleness:
+        elif (behind := staleness(group, self.state.policy_version)) > self.cfg.max_staleness:
             w.counters.dropped_stale += 1
         else:
+            w.counters.staleness[str(behind)] = w.counters.staleness.get(str(behind), 0) + 1
             w.groups.append(group)
             if len(w.groups) == self.cfg.batch_groups:
                 self.step()
@@ -168,6 +169,8 @@ class Learner:
         stats = train_step(self.model, self.optimizer, batch, cfg, st.step, self.ref_model)
         w.counters.groups_applied += len(w.groups)
         w.counters.tokens_trained += stats.tokens
+        w.counters.is_tokens += stats.is_tokens
+        w.counters.is_clipped += stats.is_clipped
         st.counters.add(w.counters)
         st.last_id = w.ids[-1]
         st.step += 1
@@ -230,7 +233,9 @@ class Learner:
             "pid": os.getpid(),
             "step": st.step,
             "policy_version": st.policy_version,
-            **msgspec.structs.asdict(c),
+            **{k: v for k, v in msgspec.structs.asdict(c).items() if not isinstance(v, dict)},
+            "applied_staleness": msgspec.json.encode(c.staleness).decode(),
+            "is_clipped_fraction": round(c.is_clipped / max(1, c.is_tokens), 4),
             "waiting_groups": len(self.window.groups),
             "last_id": st.last_id,
             "last_checkpoint_step": st.checkpoint_step,

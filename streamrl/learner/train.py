@@ -30,12 +30,16 @@ class StepStats:
     sequences: int
     reward_mean: float
     entropy: float = 0.0  # mean token entropy of the policy on the batch's completions (nats)
+    is_tokens: int = 0
+    is_clipped: int = 0
 
 
 @dataclass
 class BatchLoss:
     loss: float
     entropy: float  # mean over the batch's completion tokens
+    is_tokens: int = 0  # completion tokens with a known behaviour log-prob
+    is_clipped: int = 0  # of those, how many had π_old/μ outside [min, max]
 
 
 def batch_loss(
@@ -62,6 +66,7 @@ def batch_loss(
     device = next(model.parameters()).device
     chunks = batch.chunks(cfg.micro_batch_size)
     total = entropy_sum = 0.0
+    is_tokens = is_clipped = 0
     for rows in chunks:
         ids = batch.input_ids[rows].to(device)
         attn = batch.attention_mask[rows].to(device)
@@ -76,6 +81,12 @@ def batch_loss(
                 entropy = token_entropy(logits.detach(), mask, cfg.temperature).sum()
         entropy_sum += float(entropy.detach())
         old = logps.detach()
+        known = mask.bool() & ~torch.isnan(behaviour)
+        ratio = torch.exp(old - torch.nan_to_num(behaviour))[known]
+        lo, hi = cfg.importance_sampling_min, cfg.importance_sampling_max
+        outside = (ratio > (math.inf if hi is None else hi)) | (ratio < (lo or 0.0))
+        is_tokens += int(known.sum())
+        is_clipped += int(outside.sum())
         if cfg.clip_against == "behaviour":
             old = torch.where(torch.isnan(behaviour), old, behaviour)
         ref = None
@@ -110,7 +121,7 @@ def batch_loss(
         if backward:
             loss.backward()
         total += float(loss.detach())
-    return BatchLoss(total, entropy_sum / max(1, batch.num_tokens))
+    return BatchLoss(total, entropy_sum / max(1, batch.num_tokens), is_tokens, is_clipped)
 
 
 def lr_at(step: int, cfg: LearnerConfig) -> float:
@@ -165,6 +176,8 @@ def train_step(
     return StepStats(
         loss=measured.loss,
         entropy=measured.entropy,
+        is_tokens=measured.is_tokens,
+        is_clipped=measured.is_clipped,
         grad_norm=norm,
         lr=lr,
         tokens=batch.num_tokens,

@@ -92,6 +92,10 @@ def test_drops_counts_publishes_and_reports(redis_url, r, tiny_dir, tmp_path):
         frac = float(h[f"dropped_fraction_{reason}"])
         assert frac == pytest.approx(getattr(c, f"dropped_{reason}") / 11, abs=1e-4), reason
     assert 0 < float(h["entropy"]) < 10
+    applied = msgspec.json.decode(h["applied_staleness"])
+    assert sum(applied.values()) == c.groups_applied
+    assert all(int(k) <= cfg.max_staleness for k in applied)  # < 0: sampled by a newer version
+    assert c.is_tokens > 0 and 0 <= float(h["is_clipped_fraction"]) <= 1
 
     announced = [schema.POLICY_VERSION.decode(f[b"p"]) for _, f in r.xrange(keys.policy)]
     assert [pv.version for pv in announced] == list(range(state.step + 1))

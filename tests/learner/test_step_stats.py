@@ -1,5 +1,6 @@
-"""The policy's token entropy: measured on every batch, and an optional bonus in the loss that
-keeps a policy from collapsing onto one completion per prompt."""
+"""What the learner measures on every batch besides the loss: the policy's token entropy (and
+the optional entropy bonus that keeps a policy from collapsing onto one completion per prompt),
+and how many importance weights fell outside their bounds."""
 
 from __future__ import annotations
 
@@ -54,3 +55,20 @@ def test_entropy_bonus_raises_the_policys_entropy(tiny_dir):
     # fitting the same batch sharpens the policy; the bonus pulls the other way
     assert plain < start
     assert bonus > plain + 0.1, (start, plain, bonus)
+
+
+def test_importance_weights_outside_their_bounds_are_counted(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    groups = make_groups(tiny_dir, 2, seed=3)
+    pad = build_tokenizer().pad_token_id
+    cfg = LearnerConfig(model=str(tiny_dir), importance_sampling_max=2.0, max_completion_length=4)
+    near = batch_loss(model, make_batch(groups, pad, "group"), cfg, backward=False)
+    assert near.is_tokens > 0 and near.is_clipped == 0  # μ = π ± 0.1 noise: ratios near 1
+    for g in groups:  # a sampler that gave every token e^-2 of the probability: π/μ ≈ 7.4
+        for s in g.samples:
+            for t in s.trajectory.turns:
+                t.logprobs = [lp - 2.0 for lp in t.logprobs]
+    far = batch_loss(model, make_batch(groups, pad, "group"), cfg, backward=False)
+    assert far.is_tokens == near.is_tokens and far.is_clipped == far.is_tokens
