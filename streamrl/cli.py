@@ -559,11 +559,20 @@ def bench_offpolicy(lag: int, steps: int, seconds: float, seed: int, as_json: bo
     help="Run config (default: the shipped configs/copy-tiny.toml); its model is replaced by "
     "a freshly built tiny model.",
 )
-def demo(seconds: float, target: float, as_json: bool, config_path: str | None) -> None:
+@click.option("--rollout-workers", type=click.IntRange(min=1), default=2, show_default=True)
+def demo(
+    seconds: float, target: float, as_json: bool, config_path: str | None, rollout_workers: int
+) -> None:
     """Train a tiny model on `copy` through the whole pipeline, on a private Redis, live."""
     from streamrl.demo import train_demo
 
-    res = train_demo(seconds=seconds, target=target, live=not as_json, config=config_path)
+    res = train_demo(
+        seconds=seconds,
+        target=target,
+        live=not as_json,
+        config=config_path,
+        rollout_workers=rollout_workers,
+    )
     click.echo(json.dumps(res) if as_json else json.dumps(res, indent=2))
 
 

@@ -80,6 +80,7 @@ def train_demo(
     seed: int = 0,
     stop_at_target: bool = True,
     config: str | Path | None = None,
+    rollout_workers: int = 2,
 ) -> dict:
     """Returns the JSON summary. ``target=None`` trains until ``seconds`` or ``max_steps``
     learner steps; ``admission_batches`` fixes the in-flight window (in learner batches)
@@ -91,9 +92,18 @@ def train_demo(
     cfg = demo_config(config)
     cfg.run = RUN
     group_size = cfg.group_size
-    with LocalPipeline(cfg, directory=directory) as p:
-        model_dir = save_tiny(p.dir / "model")
-        cfg.policy.model = str(model_dir)
+    pipeline = LocalPipeline(cfg, directory=directory)
+    model_dir = pipeline.dir / "model"
+    cfg.policy.model = str(model_dir)
+    with pipeline as p:
+        # start-up in parallel: the workers import torch and transformers (STREAMRL_PRELOAD)
+        # while this process builds the model; they take no lease until tasks arrive
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        p.procs.env = {**env, "STREAMRL_PRELOAD": "torch,transformers"}  # type: ignore[union-attr]
+        p.start_workers(rollout=rollout_workers, verify=0, top_up=False)
+        p.procs.env = env  # type: ignore[union-attr]  (the verifier needs no torch)
+        p.start_workers(rollout=0, verify=1, top_up=False)
+        save_tiny(model_dir)
         cfg.policy.options.update({"seed": seed, **(policy_options or {})})
         learner = {**cfg.learner, "model": str(model_dir), "output_dir": str(p.dir / "learner")}
         learner["seed"] = seed
@@ -108,9 +118,6 @@ def train_demo(
             f"[bold]streamrl demo[/]: tiny Llama learning `{cfg.env}` - Redis {p.url}, "
             f"config {config_path}, logs {p.dir}/logs"
         )
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        p.procs.env = env  # type: ignore[union-attr]
-        p.start_workers(rollout=2, verify=1)
         learner_log = open(p.dir / "logs" / "learner.log", "ab")  # noqa: SIM115
         learner_proc = subprocess.Popen(
             [
@@ -129,6 +136,12 @@ def train_demo(
             stderr=subprocess.STDOUT,
             env=env,
         )
+        # the model exists now: one lease per worker, without waiting for their idle poll
+        from streamrl.defaults import ROLLOUT_QUEUE, VERIFY_QUEUE
+        from streamrl.workers import leases
+
+        leases.top_up(p.r, ROLLOUT_QUEUE, RUN, waiting=rollout_workers)
+        leases.top_up(p.r, VERIFY_QUEUE, RUN, waiting=1)
         stop = threading.Event()
         batch = learner["batch_groups"] * group_size
         if admission_batches is not None:

@@ -85,11 +85,21 @@ class LocalPipeline:
             self._tmp.cleanup()
 
     # ---------------------------------------------------------------- workers
-    def start_workers(self, rollout: int = 1, verify: int = 1, seconds: float | None = None):
+    def start_workers(
+        self,
+        rollout: int = 1,
+        verify: int = 1,
+        seconds: float | None = None,
+        top_up: bool = True,
+    ):
+        """Start rq workers; ``top_up=False`` queues no lease, so they idle until the run has
+        work (the demo starts them while it is still building the model)."""
         assert self.procs is not None
         started = self.procs.start(ROLLOUT_QUEUE, rollout) if rollout else []
         started += self.procs.start(VERIFY_QUEUE, verify) if verify else []
         run = self.config.run
+        if not top_up:
+            return started
         if rollout:
             leases.top_up(self.r, ROLLOUT_QUEUE, run, waiting=rollout, seconds=seconds)
         if verify:

@@ -30,6 +30,7 @@ It also differs from rq's plain ``Worker`` in ways a long run needs:
 from __future__ import annotations
 
 import importlib
+import os
 import time
 from typing import Any
 
@@ -105,6 +106,11 @@ class LeaseWorker(Worker):
         for name in self.queue_names():
             if name in leases.ROLES:
                 importlib.import_module(leases.ROLES[name].rsplit(".", 1)[0])
+        # STREAMRL_PRELOAD=torch,transformers: heavy imports a backend will need, paid once
+        # here while the worker idles (e.g. while the model is still being built) instead of
+        # in every work horse; only imports, no threads, so forking stays safe
+        for module in filter(None, os.environ.get("STREAMRL_PRELOAD", "").split(",")):
+            importlib.import_module(module.strip())
         self._ensure_after = 0.0  # monotonic time before which this worker queues no lease
 
     # -- the invariant
