@@ -505,7 +505,7 @@ def bench_chaos(
     "--trl-lr",
     type=click.FloatRange(min=0, min_open=True),
     default=None,
-    help="TRL's learning rate (default: its fastest on this task, see streamrl/trl_baseline.py).",
+    help="TRL's learning rate (default: its fastest measured on this task, 5e-4).",
 )
 @click.option("--seconds", type=click.FloatRange(min=1), default=300.0, show_default=True)
 @click.option("--target", type=click.FloatRange(0, 1), default=0.9, show_default=True)
