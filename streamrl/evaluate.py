@@ -56,6 +56,7 @@ from streamrl.config import PolicyConfig, RolloutConfig, RunConfig
 from streamrl.envs.base import Environment, OptionError, Verdict
 from streamrl.envs.registry import UnknownEnvironment, make_env
 from streamrl.models.local import ModelNotFound, require_model_dir
+from streamrl.producer import training_seed
 
 DEFAULT_PROMPTS = 200
 DEFAULT_K = 8
@@ -75,11 +76,6 @@ class WeightsError(EvalError):
 
 
 # ---------------------------------------------------------------- held-out prompts
-
-
-def training_seed(seed: int, index: int) -> str:
-    """The seed string of training prompt ``index`` (``Producer.from_env``)."""
-    return f"{seed}:{index}"
 
 
 def heldout_seed(seed: int, index: int) -> str:

@@ -42,6 +42,13 @@ class ProduceResult:
     position: int = 0
 
 
+def training_seed(seed: int, index: int) -> str:
+    """The rng seed of prompt ``index`` of an environment's generator under ``seed``: a pure
+    function of both, so a restarted producer pushes the same prompts, and ``streamrl eval``
+    can tell which prompts training saw."""
+    return f"{seed}:{index}"
+
+
 def _tasks(prompt_id: str, env: str, group_size: int, inp, data, seed: int) -> list[schema.Task]:
     now = time.time()
     return [
@@ -576,7 +583,7 @@ class Producer:
             end = min(count, pos + max(1, self.batch_samples // group_size))
             batch: list[schema.Task] = []
             for i in range(pos, end):
-                prompt = env.generate(random.Random(f"{seed}:{i}"), i)
+                prompt = env.generate(random.Random(training_seed(seed, i)), i)
                 pid = f"{env.name}-s{seed}-{i:07d}"
                 batch += _tasks(pid, spec, group_size, prompt.input, prompt.data, seed)
             if self._push(source, pos, end, batch):
