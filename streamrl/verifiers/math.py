@@ -4,7 +4,9 @@
 variables, ``+ - * / ^``, ``\\cdot``/``\\times``, parentheses and implicit products (``2x``,
 ``3(x+1)``) into a polynomial with exact rational coefficients, so ``1/2 == 0.5 ==
 \\frac{1}{2}`` and ``2x+1 == 1+2x``. Decimals are exact (``0.33 != 1/3``); a trailing ``%``, a
-``\\text{...}`` unit and a leading ``x =`` are ignored. It never calls ``eval``: unknown syntax,
+``\\text{...}`` unit and a leading ``x =`` are ignored. A final equation ``17 + 8 = 25`` answers
+its right side, but only when it is true: a left side that is a number must equal the right
+(``49 + 5 = 12`` answers nothing). It never calls ``eval``: unknown syntax,
 division by a non-constant, exponents outside 0..64 and numbers past a size bound are parse
 failures. An expected answer that does not parse (a dataset's "Paris") is compared as a
 normalized string instead; when the expected answer parses, the answer must parse too.
@@ -228,9 +230,29 @@ def equivalent(answer: str, expected: str) -> bool:
     except ParseError:
         return bool(normalize(answer)) and normalize(answer) == normalize(expected)
     try:
-        return parse(answer) == want
+        return parse(_equation_rhs(answer)) == want
     except ParseError:
         return False
+
+
+_EQUALS = re.compile(r"(?<![<>!=])=(?!=)")
+
+
+def _equation_rhs(answer: str) -> str:
+    """The right side of ``lhs = rhs`` (small models state sums that way); ``ParseError`` when
+    the left side is a constant the right side does not equal. ``x = 5`` is left to the
+    parser, and anything that is not one equation is returned as it is."""
+    sides = _EQUALS.split(answer)
+    if len(sides) != 2 or _ASSIGN.match(answer):
+        return answer
+    lhs, rhs = sides
+    try:
+        left = parse(lhs)
+    except ParseError:
+        return rhs
+    if _constant(left) is not None and left != parse(rhs):
+        raise ParseError("the final equation is false")
+    return rhs
 
 
 def score(response: str, expected: str) -> Verdict:

@@ -28,6 +28,8 @@ from streamrl.verifiers.math import ParseError, equivalent, parse, score
         ("\\$12.75", "51/4"),
         ("2 \\cdot 3 \\times 4", "24"),
         ("Paris", "\\text{Paris}"),
+        ("17 + 8 = 25", "25"),  # a true final equation answers its right side
+        ("the sum = 25", "25"),
     ],
 )
 def test_equivalent_forms(answer: str, expected: str) -> None:
@@ -44,6 +46,10 @@ def test_equivalent_forms(answer: str, expected: str) -> None:
         ("", "0"),
         ("1, 2", "12"),
         ("London", "Paris"),
+        ("49 + 5 = 54.5", "54.5"),  # a false equation answers nothing
+        ("17 + 8 = 24", "24"),
+        ("1 = 2 = 3", "3"),
+        ("x <= 3", "3"),
     ],
 )
 def test_different_answers(answer: str, expected: str) -> None:
