@@ -79,6 +79,7 @@ class LearnerState(msgspec.Struct, kw_only=True):
     loss: float = 0.0
     checkpoint_step: int = 0
     checkpoint_time: float = 0.0
+    entropy_coef: float | None = None  # the adaptive coefficient (None: config's entropy_coef)
 
 
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:

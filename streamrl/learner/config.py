@@ -54,6 +54,12 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Entropy bonus: loss -= entropy_coef × mean token entropy. Against collapse to a
     # deterministic policy, whose groups all score alike and are dropped as zero-variance.
     entropy_coef: float = 0.0
+    # Adaptive entropy control (losses.adapt_entropy_coef): with a target (nats per token) the
+    # coefficient starts at entropy_coef and moves by entropy_coef_step per step, up while
+    # the entropy is below the target, down (to 0) while above, never past entropy_coef_max.
+    entropy_target: float | None = None
+    entropy_coef_step: float = 0.005
+    entropy_coef_max: float = 0.1
     max_completion_length: int = 512  # dr_grpo's constant normaliser
 
     # -- optimizer (AdamW) and schedule
@@ -100,6 +106,12 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             (0 < self.block_ms <= 5000, "block_ms must be in (0, 5000]"),
             (self.temperature > 0, "temperature must be > 0"),
             (self.entropy_coef >= 0, "entropy_coef must be >= 0"),
+            (
+                self.entropy_target is None or self.entropy_target > 0,
+                "entropy_target must be > 0 (or left out)",
+            ),
+            (self.entropy_coef_step >= 0, "entropy_coef_step must be >= 0"),
+            (self.entropy_coef_max >= 0, "entropy_coef_max must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:

@@ -56,6 +56,7 @@ from streamrl.learner.checkpoint import (
     save_checkpoint,
 )
 from streamrl.learner.config import LearnerConfig, load_learner_config
+from streamrl.learner.losses import adapt_entropy_coef
 from streamrl.learner.model import (
     AdapterDisabled,
     load_model,
@@ -166,7 +167,15 @@ class Learner:
     def step(self) -> None:
         w, st, cfg = self.window, self.state, self.cfg
         batch = make_batch(w.groups, self.tokenizer.pad_token_id, cfg.scale_rewards)
-        stats = train_step(self.model, self.optimizer, batch, cfg, st.step, self.ref_model)
+        coef = cfg.entropy_coef if st.entropy_coef is None else st.entropy_coef
+        stats = train_step(
+            self.model, self.optimizer, batch, cfg, st.step, self.ref_model, entropy_coef=coef
+        )
+        if cfg.entropy_target is not None:
+            st.entropy_coef = adapt_entropy_coef(
+                coef, stats.entropy, cfg.entropy_target, cfg.entropy_coef_step,
+                cfg.entropy_coef_max,
+            )  # fmt: skip
         w.counters.groups_applied += len(w.groups)
         w.counters.tokens_trained += stats.tokens
         w.counters.is_tokens += stats.is_tokens
@@ -182,7 +191,8 @@ class Learner:
         self.last = stats
         log.info(
             "step", step=st.step, loss=round(stats.loss, 6), reward_mean=stats.reward_mean,
-            entropy=round(stats.entropy, 4), grad_norm=round(stats.grad_norm, 4), lr=stats.lr,
+            entropy=round(stats.entropy, 4), entropy_coef=round(coef, 6),
+            grad_norm=round(stats.grad_norm, 4), lr=stats.lr,
             tokens=stats.tokens, groups_consumed=consumed,
             dropped={k: v for k, v in drops.items() if v},
         )  # fmt: skip
@@ -247,6 +257,8 @@ class Learner:
         if self.last is not None:
             fields.update(lr=self.last.lr, grad_norm=self.last.grad_norm)
             fields["entropy"] = round(self.last.entropy, 4)
+        coef = self.cfg.entropy_coef if st.entropy_coef is None else st.entropy_coef
+        fields["entropy_coef"] = round(coef, 6)
         for reason, frac in c.drop_fractions().items():
             fields[f"dropped_fraction_{reason}"] = frac
         if self.group_size:

@@ -96,6 +96,22 @@ def token_entropy(logits: Tensor, mask: Tensor, temperature: float = 1.0) -> Ten
     return -(logp.exp() * logp).sum(-1)
 
 
+def adapt_entropy_coef(
+    coef: float, entropy: float, target: float, step: float, maximum: float
+) -> float:
+    """Adaptive entropy control (Skywork-OR1, He et al. 2025, section 4): the bonus coefficient
+    follows the policy's entropy toward a target instead of being fixed::
+
+        c_{k+1} = clip(c_k + Δ, 0, c_max)   if H_k < H_target
+        c_{k+1} = clip(c_k - Δ, 0, c_max)   otherwise
+
+    A fixed coefficient is either too weak to stop a collapse at a high learning rate or
+    strong enough to hold the entropy up when the task wants a confident policy; this one is
+    zero while the entropy is above the target and grows only as long as it stays below."""
+    coef = coef + step if entropy < target else coef - step
+    return min(maximum, max(0.0, coef))
+
+
 def clipped_surrogate(
     logps: Tensor,
     old_logps: Tensor,

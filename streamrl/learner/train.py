@@ -48,6 +48,7 @@ def batch_loss(
     cfg: LearnerConfig,
     ref_model: nn.Module | None = None,
     backward: bool = True,
+    entropy_coef: float | None = None,
 ) -> BatchLoss:
     """The batch's loss (see ``losses.policy_loss``), computed in chunks of
     ``cfg.micro_batch_size`` sequences whose gradients accumulate into ``.grad``.
@@ -55,7 +56,8 @@ def batch_loss(
     The policy's mean token entropy is measured on every batch (a collapse to a deterministic
     policy shows there first); with ``entropy_coef > 0`` the loss also subtracts
     ``entropy_coef × mean entropy``, which keeps the policy sampling different completions, so
-    its groups keep a reward spread to learn from.
+    its groups keep a reward spread to learn from. ``entropy_coef`` overrides the config's
+    (the adaptive coefficient of this step).
 
     π_old is the model itself, detached (TRL with ``num_iterations=1``): the PPO ratio is 1 in
     value, and the off-policy correction is the importance weight π_θ/μ against the behaviour
@@ -63,6 +65,7 @@ def batch_loss(
     (PPO-style clipping against the sampler, as PipelineRL does); tokens with unknown μ then
     fall back to the detached model.
     """
+    coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
     device = next(model.parameters()).device
     chunks = batch.chunks(cfg.micro_batch_size)
     total = entropy_sum = 0.0
@@ -74,7 +77,7 @@ def batch_loss(
         behaviour = batch.behaviour_logps[rows].to(device)
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         logps = token_logps(logits, ids[:, 1:], cfg.temperature)
-        if cfg.entropy_coef > 0:
+        if coef > 0:
             entropy = token_entropy(logits, mask, cfg.temperature).sum()
         else:
             with torch.no_grad():
@@ -116,8 +119,8 @@ def batch_loss(
             num_tokens=float(batch.num_tokens),
             num_chunks=len(chunks),
         )
-        if cfg.entropy_coef > 0:
-            loss = loss - cfg.entropy_coef * entropy / max(1, batch.num_tokens)
+        if coef > 0:
+            loss = loss - coef * entropy / max(1, batch.num_tokens)
         if backward:
             loss.backward()
         total += float(loss.detach())
@@ -156,11 +159,12 @@ def train_step(
     cfg: LearnerConfig,
     step: int,
     ref_model: nn.Module | None = None,
+    entropy_coef: float | None = None,
 ) -> StepStats:
     """Zero grads, accumulate the batch's gradient, clip, set the LR for ``step``, update."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    measured = batch_loss(model, batch, cfg, ref_model)
+    measured = batch_loss(model, batch, cfg, ref_model, entropy_coef=entropy_coef)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if cfg.max_grad_norm > 0:
         norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm, foreach=False))

@@ -90,3 +90,22 @@ def test_lr_schedule():
     assert lrs[:3] == pytest.approx([0.5, 1.0, 1.0])
     assert lrs[4] == pytest.approx(0.5) and lrs[6] == pytest.approx(0.0)
     assert lr_at(100, LearnerConfig(model="m", lr=0.1)) == 0.1
+
+
+def test_adaptive_entropy_coef_follows_the_entropy_toward_its_target():
+    step = lambda c, h: losses.adapt_entropy_coef(c, h, target=0.5, step=0.01, maximum=0.03)  # noqa: E731
+    c = 0.0
+    for _ in range(5):  # below the target: up by one step each time, never past the maximum
+        c = step(c, 0.1)
+    assert c == pytest.approx(0.03)
+    c = step(c, 0.9)  # above it: down again
+    assert c == pytest.approx(0.02)
+    assert step(0.0, 0.9) == 0.0  # and never below zero
+    assert step(0.0, 0.5) == 0.0  # at the target counts as enough
+
+
+def test_entropy_target_must_be_positive():
+    import msgspec
+
+    with pytest.raises(msgspec.ValidationError, match="entropy_target"):
+        LearnerConfig(model="m", entropy_target=0.0)

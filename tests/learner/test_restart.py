@@ -39,6 +39,8 @@ max_staleness = 2
 loss_type = "dapo"
 importance_sampling = "token_truncate"
 importance_sampling_max = 1.5
+entropy_target = 100.0  # always above: the adaptive coefficient grows every step, so a restart
+entropy_coef_step = 0.01  # that lost it would train on a different loss
 lr = 3e-3
 warmup_steps = 2
 lr_schedule = "cosine"
@@ -146,6 +148,8 @@ def test_sigkilled_learner_matches_uninterrupted_run(
     initial = load_file(tiny_dir / "model.safetensors")
     assert not torch.equal(initial["lm_head.weight"], weights["lm_head.weight"])  # it trained
     assert msgspec.structs.asdict(state.counters) == msgspec.structs.asdict(ref.counters)
+    assert state.entropy_coef == ref.entropy_coef  # bitwise: restored, not restarted from 0
+    assert abs(ref.entropy_coef - min(0.1, 0.01 * ref.step)) < 1e-9
     # the same stream position: the same entry index is the last one the weights contain
     assert (state.step, state.policy_version, ids.index(state.last_id)) == (
         ref.step,
