@@ -1,7 +1,8 @@
 """Run the README's Training section as written, from a fresh directory, and report whether and
 when the reward of the scored feed reaches the target.
 
-    python bench/readme_training.py [--seconds 300] [--target 0.9] [--lr 1e-3 --entropy-coef 0.01]
+    python bench/readme_training.py [--seconds 300] [--target 0.9]
+        [--lr 1e-3] [--entropy-coef 0.01 | --entropy-target 0.3]
 
 It starts a private Redis (`streamrl up`), builds the tiny model into models/tiny, starts two
 rollout workers and a verifier (`streamrl worker ...`), the learner and the producer on
@@ -33,12 +34,16 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "copy-tiny.toml"
 
 
-def _config(dst: Path, lr: float | None, entropy_coef: float | None) -> Path:
+def _config(
+    dst: Path, lr: float | None, entropy_coef: float | None, entropy_target: float | None = None
+) -> Path:
     text = CONFIG.read_text()
     if lr is not None:
         text = re.sub(r"(?m)^lr = .*$", f"lr = {lr}", text)
     if entropy_coef is not None:
         text = text.replace("[learner]\n", f"[learner]\nentropy_coef = {entropy_coef}\n")
+    if entropy_target is not None:
+        text = text.replace("[learner]\n", f"[learner]\nentropy_target = {entropy_target}\n")
     dst.mkdir(parents=True, exist_ok=True)
     path = dst / "copy-tiny.toml"
     path.write_text(text)
@@ -58,11 +63,12 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=512, help="scored samples in the mean")
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--entropy-coef", type=float, default=None)
+    ap.add_argument("--entropy-target", type=float, default=None, help="adaptive entropy")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="readme-training-"))
-    cfg = _config(work / "configs", args.lr, args.entropy_coef)
+    cfg = _config(work / "configs", args.lr, args.entropy_coef, args.entropy_target)
     bin_ = Path(sys.executable).parent
     srl = str(bin_ / "streamrl")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -79,7 +85,10 @@ def main() -> None:
         return p
 
     t0 = time.monotonic()
-    result: dict = {"config": str(cfg), "lr": args.lr, "entropy_coef": args.entropy_coef}
+    result: dict = {
+        "config": str(cfg), "lr": args.lr, "entropy_coef": args.entropy_coef,
+        "entropy_target": args.entropy_target,
+    }  # fmt: skip
     try:
         start("up", [srl, "up"])
         url_file = work / ".streamrl" / "redis.url"
@@ -121,6 +130,7 @@ def main() -> None:
             reward_last=round(sum(recent) / len(recent), 4) if recent else None,
             learner_step=int(learner.get("step", 0)),
             entropy=learner.get("entropy"),
+            entropy_coef_last=learner.get("entropy_coef"),
             groups_consumed=int(learner.get("groups_consumed", 0)),
             dropped_fraction_zero_variance=learner.get("dropped_fraction_zero_variance"),
             dropped_fraction_stale=learner.get("dropped_fraction_stale"),
