@@ -56,8 +56,12 @@ class LocalPipeline:
         url: str | None = None,
         directory: str | Path | None = None,
         worker_env: dict | None = None,
+        control_url: str | None = None,
     ):
+        """``url`` may name a Redis Cluster (``redis+cluster://``); rq then needs a plain
+        ``control_url``."""
         self.config = config
+        self.control_url = control_url
         self.keys = Keys(config.run)
         self._tmp = None if directory else tempfile.TemporaryDirectory(prefix="streamrl-")
         self.dir = Path(directory or self._tmp.name)  # type: ignore[union-attr]
@@ -71,10 +75,16 @@ class LocalPipeline:
             self.url = self.server.start().url
         assert self.url is not None
         self.r = connect(self.url)
+        self.control = connect(self.control_url) if self.control_url else self.r
         self.r.delete(self.keys.halt)
         write_config(self.r, self.config)
         ensure_groups(self.r, self.keys)
-        self.procs = WorkerProcs(self.url, log_dir=self.dir / "logs", env=self.worker_env)
+        self.procs = WorkerProcs(
+            self.url,
+            log_dir=self.dir / "logs",
+            env=self.worker_env,
+            control_url=self.control_url,
+        )
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -100,10 +110,15 @@ class LocalPipeline:
         run = self.config.run
         if not top_up:
             return started
+        data = None if self.control is self.r else self.r
         if rollout:
-            leases.top_up(self.r, ROLLOUT_QUEUE, run, waiting=rollout, seconds=seconds)
+            leases.top_up(
+                self.control, ROLLOUT_QUEUE, run, waiting=rollout, seconds=seconds, data=data
+            )
         if verify:
-            leases.top_up(self.r, VERIFY_QUEUE, run, waiting=verify, seconds=seconds)
+            leases.top_up(
+                self.control, VERIFY_QUEUE, run, waiting=verify, seconds=seconds, data=data
+            )
         return started
 
     def consumers(self, stage: str) -> int:

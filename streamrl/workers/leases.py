@@ -63,12 +63,16 @@ def lease_timeout(r: redis.Redis, name: str, run: str, seconds: float | None = N
     return int(lease_s + drain_s + LEASE_JOB_TIMEOUT_GRACE)
 
 
-def enqueue(r: redis.Redis, name: str, run: str, seconds: float | None = None) -> None:
+def enqueue(
+    r: redis.Redis, name: str, run: str, seconds: float | None = None, data: object = None
+) -> None:
+    """Queue one lease on rq's Redis ``r``; ``data`` is the run's data Redis when that is
+    another server (a Redis Cluster)."""
     queue(r, name).enqueue(
         ROLES[name],
         run,
         seconds,
-        job_timeout=lease_timeout(r, name, run, seconds),
+        job_timeout=lease_timeout(data if data is not None else r, name, run, seconds),
         result_ttl=300,
         failure_ttl=24 * 3600,
         description=f"{name} lease for run {run!r}",
@@ -82,8 +86,10 @@ def top_up(
     waiting: int = 1,
     seconds: float | None = None,
     at_most_every_s: float = 0.0,
+    data: object = None,
 ) -> int:
-    """Keep ``waiting`` lease jobs queued. Two leases racing here may both enqueue; a spare
+    """Keep ``waiting`` lease jobs queued on rq's Redis ``r`` (``data``: the run's data Redis
+    when it is another server). Two leases racing here may both enqueue; a spare
     lease only means a worker picks it up a little early, so no lock is taken.
     ``at_most_every_s`` rate-limits a lease that tops up as it starts, so a lease that keeps
     crashing right after its start cannot spin its workers."""
@@ -95,11 +101,17 @@ def top_up(
     queued = sum(1 for job in q.get_jobs() if job.args and job.args[0] == run)
     missing = max(0, waiting - queued)
     for _ in range(missing):
-        enqueue(r, name, run, seconds)
+        enqueue(r, name, run, seconds, data=data)
     return missing
 
 
-def top_up_if_work(r: redis.Redis, name: str, run: str, at_most_every_s: float = 0.0) -> int:
+def top_up_if_work(
+    r: redis.Redis,
+    name: str,
+    run: str,
+    at_most_every_s: float = 0.0,
+    control: redis.Redis | None = None,
+) -> int:
     """``top_up`` for a run that is not halted and still has work on this queue. Leases call it
     as they start (so a second worker finds a lease while the first is busy) and as they end;
     a run with nothing left gets no successor, so an idle run does not keep a chain of empty
@@ -108,7 +120,9 @@ def top_up_if_work(r: redis.Redis, name: str, run: str, at_most_every_s: float =
 
     if r.exists(Keys(run).halt) or not has_work(r, name, run):
         return 0
-    return top_up(r, name, run, at_most_every_s=at_most_every_s)
+    if control is None or control is r:
+        return top_up(r, name, run, at_most_every_s=at_most_every_s)
+    return top_up(control, name, run, at_most_every_s=at_most_every_s, data=r)
 
 
 def has_work(r: redis.Redis, name: str, run: str) -> bool:
@@ -194,14 +208,15 @@ def run_lease(run: str, name: str, stage: str, body: Callable[[redis.Redis], dic
 
     from streamrl.bus.keys import Keys
     from streamrl.log import configure
-    from streamrl.workers.context import consumer_name, current_connection
+    from streamrl.workers.context import consumer_name, control_connection, data_connection
 
-    conn = current_connection()
+    control = control_connection()
+    conn = data_connection(control)
     halt = Keys(run).halt
     if conn.exists(halt):
         return {"halted": True}
     configure()
     structlog.contextvars.bind_contextvars(run=run, worker=consumer_name(), stage=stage)
     counts = body(conn)
-    top_up_if_work(conn, name, run)
+    top_up_if_work(conn, name, run, control=control)
     return counts

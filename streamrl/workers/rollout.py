@@ -47,8 +47,9 @@ from streamrl.workers.batcher import Batcher
 from streamrl.workers.context import (
     async_twin,
     consumer_name,
+    control_connection,
+    data_url,
     read_config,
-    url_of,
 )
 from streamrl.workers.episode import LostClaim, finish, new_session, run_episode
 
@@ -386,9 +387,13 @@ def lease(run: str, seconds: float | None = None) -> dict[str, Any]:
 
 async def _lease(conn: Any, run: str, seconds: float | None) -> dict[str, Any]:
     r = async_twin(conn)
+    control = control_connection()
     try:
-        ready = lambda: leases.top_up_if_work(conn, ROLLOUT_QUEUE, run, at_most_every_s=1.0)  # noqa: E731
-        lease = RolloutLease(r, run, consumer_name(), seconds, on_ready=ready, url=url_of(conn))
+        ready = lambda: leases.top_up_if_work(  # noqa: E731
+            conn, ROLLOUT_QUEUE, run, at_most_every_s=1.0, control=control
+        )
+        url = data_url(control)
+        lease = RolloutLease(r, run, consumer_name(), seconds, on_ready=ready, url=url)
         return await lease.run()
     finally:
         await r.aclose()
