@@ -15,8 +15,11 @@ from streamrl.cliopts import env_option
 
 
 class Ctx:
-    def __init__(self, redis_url: str | None, run: str, run_dir: str):
+    def __init__(
+        self, redis_url: str | None, run: str, run_dir: str, control_redis: str | None = None
+    ):
         self.redis_url = redis_url
+        self.control_redis = control_redis
         self.run = run
         self.run_dir = run_dir
 
@@ -33,7 +36,8 @@ class Ctx:
         return _checked(url)
 
     def client(self, resilient: bool = False):
-        """A client for this command. Long-lived roles (``produce``) pass ``resilient`` to
+        """A client for this command's data Redis (a ``RedisCluster`` for a
+        ``redis+cluster://`` URL). Long-lived roles (``produce``) pass ``resilient`` to
         ride out a Redis restart; the first ping still fails fast on a wrong URL."""
         import redis
 
@@ -46,6 +50,32 @@ class Ctx:
         except redis.RedisError as e:
             raise click.ClickException(redact(f"cannot reach Redis at {url}: {e}")) from None
         return make_resilient(r) if resilient else r
+
+    def control_url(self) -> str:
+        """rq's Redis: --control-redis, STREAMRL_CONTROL_URL, else the data Redis when it is
+        not a Redis Cluster (rq cannot use one)."""
+        from streamrl.connection import control_url
+
+        try:
+            return control_url(self.url(), self.control_redis)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
+
+    def control(self, data=None):
+        """A client for rq's Redis; ``data`` itself when that is the same server."""
+        import redis
+
+        from streamrl.connection import connect, redact
+
+        url = self.control_url()
+        if data is not None and url == self.url():
+            return data
+        r = connect(url)
+        try:
+            r.ping()
+        except redis.RedisError as e:
+            raise click.ClickException(redact(f"cannot reach Redis at {url}: {e}")) from None
+        return r
 
 
 pass_ctx = click.make_pass_decorator(Ctx)
@@ -109,18 +139,38 @@ class Group(click.Group):
 
 
 @click.group(cls=Group)
-@click.option("--redis", "redis_url", envvar="STREAMRL_REDIS_URL", help="Redis URL.")
+@click.option(
+    "--redis",
+    "redis_url",
+    envvar="STREAMRL_REDIS_URL",
+    help="The run's data Redis: redis://, rediss://, unix:// or redis+cluster://HOST:PORT "
+    "(a Redis Cluster, any node).",
+)
+@click.option(
+    "--control-redis",
+    "control_redis",
+    envvar="STREAMRL_CONTROL_URL",
+    help="A plain Redis for rq's queues and workers (default: --redis; required when --redis "
+    "is a Redis Cluster).",
+)
 @click.option("--run", default=d.DEFAULT_RUN, envvar="STREAMRL_RUN", show_default=True)
 @click.option("--run-dir", default=d.RUN_DIR, show_default=True, help="Private Redis lives here.")
 @click.option("--debug", is_flag=True, help="Show the traceback of an unexpected error.")
 @click.version_option(package_name="streamrl")
 @click.pass_context
-def main(ctx: click.Context, redis_url: str | None, run: str, run_dir: str, debug: bool) -> None:
+def main(
+    ctx: click.Context,
+    redis_url: str | None,
+    control_redis: str | None,
+    run: str,
+    run_dir: str,
+    debug: bool,
+) -> None:
     """streamrl: RL from verifiable rewards as a streaming pipeline on Redis."""
     from streamrl.log import configure
 
     configure()
-    ctx.obj = Ctx(redis_url, run, run_dir)
+    ctx.obj = Ctx(redis_url, run, run_dir, control_redis)
 
 
 @main.command()
@@ -261,11 +311,12 @@ def produce(
             )
             raise click.ClickException(f"{e}{hint}") from None
     r = c.client(resilient=True)
+    control = c.control(r)
     ensure_groups(r, Keys(c.run))
     r.delete(Keys(c.run).halt)
     write_config(r, cfg)
     for q in (d.ROLLOUT_QUEUE, d.VERIFY_QUEUE):
-        leases.top_up(r, q, c.run)
+        leases.top_up(control, q, c.run, data=None if control is r else r)
     # admission control: never more than (max_staleness + 1) learner batches in flight, drops
     # settle only as fast as training pays for them, and Redis stays under its memory budget
     limit = admission_limit(cfg.learner, cfg.group_size)
@@ -296,18 +347,24 @@ def produce(
 @pass_ctx
 def worker(c: Ctx, role: str, name: str | None) -> None:
     """Run one rq worker for ROLE (same as
-    `rq worker -u URL -w streamrl.workers.LeaseWorker -S json srl-ROLE`)."""
+    `rq worker -u URL -w streamrl.workers.LeaseWorker -S json srl-ROLE`; with a separate
+    control Redis, rq gets that URL and the worker the data URL as STREAMRL_DATA_URL)."""
     from streamrl.bus.keys import Keys
     from streamrl.bus.streams import ensure_groups
+    from streamrl.connection import ENV_DATA_URL
     from streamrl.procs import rq_worker_cmd
     from streamrl.workers import leases
 
     url = c.url()
     queue = d.ROLLOUT_QUEUE if role == "rollout" else d.VERIFY_QUEUE
     r = c.client()
+    control = c.control(r)
     ensure_groups(r, Keys(c.run))
-    leases.top_up(r, queue, c.run)
-    cmd = rq_worker_cmd(url, queue, name, quiet=False)
+    leases.top_up(control, queue, c.run, data=None if control is r else r)
+    control_url = c.control_url()
+    if control_url != url:
+        os.environ[ENV_DATA_URL] = url
+    cmd = rq_worker_cmd(control_url, queue, name, quiet=False)
     os.execv(cmd[0], cmd)
 
 
@@ -319,7 +376,8 @@ def status(c: Ctx, as_json: bool) -> None:
     from streamrl.status import collect
     from streamrl.views import status_table
 
-    info = collect(c.client(), c.run)
+    r = c.client()
+    info = collect(r, c.run, control=c.control(r))
     if as_json:
         click.echo(json.dumps(info))
     else:
@@ -335,7 +393,8 @@ def watch(c: Ctx, interval: float) -> None:
     """Live view: rewards as they are scored, throughput, lag (Ctrl-C to stop)."""
     from streamrl.views import watch_live
 
-    watch_live(c.client(), c.run, interval)
+    r = c.client()
+    watch_live(r, c.run, interval, control=c.control(r))
 
 
 @main.command()

@@ -130,6 +130,19 @@ class Memory:
         return self.used + self.coming + n * self.per_sample < self.budget
 
 
+def memory_info(r: Any) -> dict[str, Any]:
+    """``INFO memory`` of the server; on a Redis Cluster, of the master that uses the most
+    (the budget holds per node: the first node to fill up stops the run)."""
+    from streamrl.connection import is_cluster
+
+    if not is_cluster(r):
+        return r.info("memory")
+    per_node = r.info("memory", target_nodes=redis.RedisCluster.PRIMARIES)
+    if "used_memory" in per_node:  # a single node answered
+        return per_node
+    return max(per_node.values(), key=lambda i: int(i.get("used_memory", 0)))
+
+
 def _per_sample(length: int, used: int | None, samples_per_entry: int) -> float:
     """Bytes per sample of a stream, or a prior while it holds too few entries to tell (a
     stream trimmed to its last entry would charge that entry with the whole stream's
@@ -344,13 +357,13 @@ class LearnerAdmission:
         k = self.keys
         streams = (k.tasks, k.rollouts, k.scored, k.groups)
         pipe = self.r.pipeline(transaction=False)
-        pipe.info("memory")
         for stream in streams:
             pipe.xlen(stream)
             pipe.memory_usage(stream, samples=5)
         pipe.hmget(k.stats, ["trajectories", "groups_completed", "groups_dropped"])
         pipe.xlen(k.dead)
-        info, *rest = pipe.execute()
+        rest = pipe.execute()
+        info = memory_info(self.r)
         budgets = []
         if self.redis_memory_mb > 0:
             budgets.append((int(self.redis_memory_mb * MiB), "[admission] redis_memory_mb"))

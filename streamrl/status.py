@@ -56,7 +56,8 @@ def producer_state(r: redis.Redis, keys: Keys) -> dict[str, Any]:
     return out
 
 
-def collect(r: redis.Redis, run: str) -> dict[str, Any]:
+def collect(r: redis.Redis, run: str, control: redis.Redis | None = None) -> dict[str, Any]:
+    """``r``: the run's data Redis; ``control``: rq's, when that is another server."""
     from streamrl.workers import leases
 
     keys = Keys(run)
@@ -69,7 +70,8 @@ def collect(r: redis.Redis, run: str) -> dict[str, Any]:
     last = r.xrevrange(keys.policy, count=1)
     if last:
         policy_version = schema.POLICY_VERSION.decode(last[0][1][b"p"]).version
-    workers = {q: leases.queue_health(r, q) for q in (ROLLOUT_QUEUE, VERIFY_QUEUE)}
+    rq_redis = r if control is None else control
+    workers = {q: leases.queue_health(rq_redis, q) for q in (ROLLOUT_QUEUE, VERIFY_QUEUE)}
     return {
         "run": run,
         "stages": stages,

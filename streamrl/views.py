@@ -140,7 +140,9 @@ class RewardFeed:
         return t
 
 
-def watch_live(r: redis.Redis, run: str, interval: float = 1.0) -> None:
+def watch_live(
+    r: redis.Redis, run: str, interval: float = 1.0, control: redis.Redis | None = None
+) -> None:
     from streamrl.status import collect
 
     feed = RewardFeed(r, run, start="0-0")
@@ -148,7 +150,7 @@ def watch_live(r: redis.Redis, run: str, interval: float = 1.0) -> None:
         with Live(refresh_per_second=4) as live:
             while True:
                 feed.poll()
-                live.update(RichGroup(feed.table(), status_table(collect(r, run))))
+                live.update(RichGroup(feed.table(), status_table(collect(r, run, control))))
                 time.sleep(interval)
     except KeyboardInterrupt:
         pass
