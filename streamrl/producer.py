@@ -24,7 +24,8 @@ import redis
 
 from streamrl import defaults as d
 from streamrl import schema
-from streamrl.bus.keys import Keys
+from streamrl.bus.keys import Keys, shard_keys, shard_of
+from streamrl.bus.shards import shard_count
 from streamrl.bus.streams import Scripts
 from streamrl.bus.trim import trim_run
 from streamrl.envs import Environment
@@ -550,30 +551,57 @@ def admission_limit(learner: dict[str, Any], group_size: int) -> int | None:
 
 
 class Producer:
+    """Pushes prompts. A sharded run's prompts go round robin over its shards (prompt ``i`` to
+    shard ``i mod N``); each shard keeps its own position, advanced with its own
+    compare-and-set, so a producer that stopped between two shards' pushes resumes each shard
+    where it stands: nothing is pushed twice or skipped."""
+
     def __init__(
         self,
         r: redis.Redis,
         run: str,
         admission: Admission | None = None,
         batch_samples: int = BATCH,
+        shards: int | None = None,
     ):
         self.r = r
         self.keys = Keys(run)
+        self.shards = shard_keys(run, shards if shards is not None else shard_count(r, run))
         self.scripts = Scripts(r)
         self.admission = admission
         self.batch_samples = batch_samples
 
     def position(self, source: str) -> int:
-        return int(self.r.get(self.keys.producer(source)) or 0)
+        """Prompts of ``source`` pushed to every shard."""
+        return min(self._positions(source))
 
-    def _push(self, source: str, start: int, end: int, tasks: list[schema.Task]) -> bool:
+    def _positions(self, source: str) -> list[int]:
+        return [int(self.r.get(k.producer(source)) or 0) for k in self.shards]
+
+    def _push(
+        self, source: str, start: int, end: int, batch: list[tuple[int, list[schema.Task]]]
+    ) -> tuple[int, set[int]]:
+        """Push prompts ``start..end-1`` (``batch``: (index, samples) of those to push).
+        Returns the samples pushed and the shards whose push went through (a stale position
+        means another producer pushed them first)."""
         if self.admission is not None:
-            self.admission(len(tasks))
-        args: list[Any] = [str(start), str(end)]
-        for t in tasks:
-            args += [t.task_id, schema.encode(t)]
-        n = self.scripts.produce(keys=[self.keys.tasks, self.keys.producer(source)], args=args)
-        return n >= 0
+            self.admission(sum(len(tasks) for _, tasks in batch))
+        positions = [start] if len(self.shards) == 1 else self._positions(source)
+        pushed, shards = 0, set()
+        for s, keys in enumerate(self.shards):
+            at = positions[s]
+            if at >= end:
+                continue
+            args: list[Any] = [str(at), str(end)]
+            for i, tasks in batch:
+                if i >= at and shard_of(i, len(self.shards)) == s:
+                    for t in tasks:
+                        args += [t.task_id, schema.encode(t)]
+            n = self.scripts.produce(keys=[keys.tasks, keys.producer(source)], args=args)
+            if n >= 0:
+                pushed += n
+                shards.add(s)
+        return pushed, shards
 
     def from_env(
         self,
@@ -594,14 +622,14 @@ class Producer:
         res.skipped = min(pos, count)
         while pos < count:
             end = min(count, pos + max(1, self.batch_samples // group_size))
-            batch: list[schema.Task] = []
+            batch: list[tuple[int, list[schema.Task]]] = []
             for i in range(pos, end):
                 prompt = env.generate(random.Random(training_seed(seed, i)), i)
                 pid = f"{env.name}-s{seed}-{i:07d}"
-                batch += _tasks(pid, spec, group_size, prompt.input, prompt.data, seed)
-            if self._push(source, pos, end, batch):
-                res.prompts += end - pos
-                res.samples += len(batch)
+                batch.append((i, _tasks(pid, spec, group_size, prompt.input, prompt.data, seed)))
+            pushed, _ = self._push(source, pos, end, batch)
+            res.prompts += pushed // group_size
+            res.samples += pushed
             pos = self.position(source)
             if progress:
                 progress(pos)
@@ -632,7 +660,7 @@ class Producer:
                 first_use.setdefault(_row_id(rows[line_no], path, line_no), line_no)
         while pos < len(rows):
             end = min(len(rows), pos + max(1, self.batch_samples // group_size))
-            batch: list[schema.Task] = []
+            batch: list[tuple[int, list[schema.Task]]] = []
             rejects: list[tuple[int, str]] = []
             for line_no in range(pos, end):
                 if not rows[line_no].strip():
@@ -647,25 +675,29 @@ class Producer:
                     rejects.append((line_no, f"{path.name}:{line_no + 1}: {e}"))
                     continue
                 first_use[pid] = line_no
-                batch += _tasks(pid, data.pop("env", env), group_size, inp, data, 0)
-            if self._push(source, pos, end, batch):
-                res.prompts += len(batch) // group_size
-                res.samples += len(batch)
-                for line_no, reason in rejects:
-                    self._reject(reason, rows[line_no])
-                res.rejected += [reason for _, reason in rejects]
+                batch.append((line_no, _tasks(pid, data.pop("env", env), group_size, inp, data, 0)))
+            pushed, shards = self._push(source, pos, end, batch)
+            res.prompts += pushed // group_size
+            res.samples += pushed
+            # a bad row is dead-lettered by the producer whose push covered its line
+            mine = [(n, why) for n, why in rejects if shard_of(n, len(self.shards)) in shards]
+            for line_no, reason in mine:
+                self._reject(
+                    reason, rows[line_no], self.shards[shard_of(line_no, len(self.shards))]
+                )
+            res.rejected += [reason for _, reason in mine]
             pos = self.position(source)
             if progress:
                 progress(pos)
         res.position = pos
         return res
 
-    def _reject(self, reason: str, raw: bytes) -> None:
+    def _reject(self, reason: str, raw: bytes, keys: Keys) -> None:
         dl = schema.DeadLetter(
             stage="produce", entry_id="", reason=reason, payload=raw, at=time.time()
         )
-        self.r.xadd(self.keys.dead, {"id": "", "p": schema.encode(dl)})
-        self.r.hincrby(self.keys.stats, "dead_letters", 1)
+        self.r.xadd(keys.dead, {"id": "", "p": schema.encode(dl)})
+        self.r.hincrby(keys.stats, "dead_letters", 1)
 
 
 def _read_rows(path: Path) -> Iterator[bytes]:

@@ -41,6 +41,7 @@ from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
 from streamrl.bus.keys import Keys
+from streamrl.bus.shards import run_shards
 from streamrl.connection import make_resilient
 from streamrl.defaults import (
     IDLE_CHECK_S,
@@ -84,9 +85,10 @@ def ensure_leases(r: redis.Redis, queue_names: list[str], data: object = None) -
     d = r if data is None else data
     added = 0
     for run in listed_runs(d):  # type: ignore[arg-type]
-        for name in names:
-            if leases.has_work(d, name, run):  # type: ignore[arg-type]
-                added += leases.top_up(r, name, run, data=data)
+        for keys in run_shards(d, run):
+            for name in names:
+                if leases.has_work(d, name, run, keys.shard):  # type: ignore[arg-type]
+                    added += leases.top_up(r, name, run, data=data, shard=keys.shard)
     return added
 
 

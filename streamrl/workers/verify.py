@@ -86,10 +86,11 @@ class VerifyLease:
         consumer: str,
         seconds: float | None = None,
         control: redis.Redis | None = None,
+        shard: int | None = None,
     ):
         self.r = r
         self.control = control  # rq's Redis, when the run's data lives elsewhere
-        self.keys = Keys(run)
+        self.keys = Keys(run, shard)  # this lease's shard; run-wide keys keep the run's tag
         self.run_name = run
         self.consumer = consumer
         self.seconds = seconds
@@ -231,7 +232,12 @@ class VerifyLease:
             return self.counts
         self.config = cfg
         leases.top_up_if_work(
-            self.r, VERIFY_QUEUE, self.run_name, at_most_every_s=1.0, control=self.control
+            self.r,
+            VERIFY_QUEUE,
+            self.run_name,
+            at_most_every_s=1.0,
+            control=self.control,
+            shard=self.keys.shard,
         )
         vc = cfg.verify
         end = started + (self.seconds if self.seconds is not None else vc.lease_seconds)
@@ -259,13 +265,15 @@ class VerifyLease:
         return self.counts
 
 
-def lease(run: str, seconds: float | None = None) -> dict[str, Any]:
-    """The rq job: verify for one lease, then hand the worker back to rq."""
+def lease(run: str, seconds: float | None = None, shard: int | None = None) -> dict[str, Any]:
+    """The rq job: verify (one shard of a sharded run) for one lease, then hand the worker
+    back to rq."""
     return leases.run_lease(
         run,
         VERIFY_QUEUE,
         "verify",
         lambda conn: VerifyLease(
-            conn, run, consumer_name(), seconds, control=control_connection()
+            conn, run, consumer_name(), seconds, control=control_connection(), shard=shard
         ).run(),
+        shard=shard,
     )
