@@ -237,6 +237,13 @@ def up(c: Ctx, durable: bool) -> None:
 @env_option
 @click.option("--policy", "backend", default=None, help="Policy backend for the workers.")
 @click.option(
+    "--shards",
+    type=click.IntRange(min=1, max=d.MAX_SHARDS),
+    default=None,
+    help="Split the run's streams into N shards ([streams] shards), so a Redis Cluster "
+    "spreads the run over its nodes.",
+)
+@click.option(
     "--skip-policy-check",
     is_flag=True,
     help="Do not check the policy here (its model lives only on the worker machines).",
@@ -253,13 +260,14 @@ def produce(
     env_options,
     backend,
     skip_policy_check,
+    shards,
 ) -> None:
     """Push tasks: prompts from an environment's generator, or rows of a JSONL file.
 
     Also stores the run's config, which the workers read. A restarted producer continues where
     the last one stopped: prompts are never pushed twice.
     """
-    from streamrl.bus.keys import Keys
+    from streamrl.bus.keys import Keys, shard_keys
     from streamrl.bus.streams import ensure_groups
     from streamrl.config import RunConfig, load_toml
     from streamrl.envs import make_env
@@ -273,7 +281,7 @@ def produce(
         admission_limit,
     )
     from streamrl.workers import leases
-    from streamrl.workers.context import write_config
+    from streamrl.workers.context import read_config, write_config
 
     try:
         cfg: RunConfig = load_toml(config_path) if config_path else RunConfig()
@@ -292,6 +300,8 @@ def produce(
     cfg.env_options = {**cfg.env_options, **env_options}
     if backend:
         cfg.policy.backend = backend
+    if shards:
+        cfg.streams.shards = shards
     cfg = _validated(cfg)  # the flags above are config fields too
     if dataset is None and count is None:
         raise click.UsageError("give --count N (prompts from --env's generator) or --dataset")
@@ -312,11 +322,18 @@ def produce(
             raise click.ClickException(f"{e}{hint}") from None
     r = c.client(resilient=True)
     control = c.control(r)
-    ensure_groups(r, Keys(c.run))
-    r.delete(Keys(c.run).halt)
+    stored = read_config(r.get(Keys(c.run).config))
+    if stored is not None and stored.streams.shards != cfg.streams.shards:
+        raise click.ClickException(
+            f"run {c.run!r} has {stored.streams.shards} shards; this producer asks for "
+            f"{cfg.streams.shards}: a run's shard count cannot change (start a new --run)"
+        )
     write_config(r, cfg)
+    for k in shard_keys(c.run, cfg.streams.shards):
+        ensure_groups(r, k)
+    r.delete(Keys(c.run).halt)
     for q in (d.ROLLOUT_QUEUE, d.VERIFY_QUEUE):
-        leases.top_up(control, q, c.run, data=None if control is r else r)
+        leases.top_up_shards(control, q, c.run, data=None if control is r else r)
     # admission control: never more than (max_staleness + 1) learner batches in flight, drops
     # settle only as fast as training pays for them, and Redis stays under its memory budget
     limit = admission_limit(cfg.learner, cfg.group_size)
@@ -349,7 +366,7 @@ def worker(c: Ctx, role: str, name: str | None) -> None:
     """Run one rq worker for ROLE (same as
     `rq worker -u URL -w streamrl.workers.LeaseWorker -S json srl-ROLE`; with a separate
     control Redis, rq gets that URL and the worker the data URL as STREAMRL_DATA_URL)."""
-    from streamrl.bus.keys import Keys
+    from streamrl.bus.shards import run_shards
     from streamrl.bus.streams import ensure_groups
     from streamrl.connection import ENV_DATA_URL
     from streamrl.procs import rq_worker_cmd
@@ -359,8 +376,9 @@ def worker(c: Ctx, role: str, name: str | None) -> None:
     queue = d.ROLLOUT_QUEUE if role == "rollout" else d.VERIFY_QUEUE
     r = c.client()
     control = c.control(r)
-    ensure_groups(r, Keys(c.run))
-    leases.top_up(control, queue, c.run, data=None if control is r else r)
+    for k in run_shards(r, c.run):
+        ensure_groups(r, k)
+    leases.top_up_shards(control, queue, c.run, data=None if control is r else r)
     control_url = c.control_url()
     if control_url != url:
         os.environ[ENV_DATA_URL] = url
@@ -404,9 +422,12 @@ def watch(c: Ctx, interval: float) -> None:
 def dead(c: Ctx, limit: int, as_json: bool) -> None:
     """The newest dead letters, with the reason each entry left its stage."""
     from streamrl import schema
-    from streamrl.bus.keys import Keys
+    from streamrl.bus.keys import id_order
+    from streamrl.bus.shards import run_shards
 
-    rows = c.client().xrevrange(Keys(c.run).dead, count=limit)
+    r = c.client()
+    rows = [row for k in run_shards(r, c.run) for row in r.xrevrange(k.dead, count=limit)]
+    rows = sorted(rows, key=lambda row: id_order(row[0]), reverse=True)[:limit]
     for eid, fields in rows:
         dl = schema.DEAD_LETTER.decode(fields[b"p"])
         rec = {"id": eid.decode(), "stage": dl.stage, "task_id": dl.task_id, "reason": dl.reason}
@@ -437,19 +458,39 @@ def trim(c: Ctx) -> None:
     show_default=True,
     help="Stream offset: an entry ID (1700000000000-0), 0 (the start) or $ (the end).",
 )
+@click.option(
+    "--shard",
+    type=click.IntRange(min=0),
+    default=None,
+    help="A sharded run: replay this shard only (an entry ID names a place in one shard's "
+    "stream; 0 and $ may be given to every shard at once).",
+)
 @pass_ctx
-def replay(c: Ctx, stage: str, offset: str) -> None:
+def replay(c: Ctx, stage: str, offset: str, shard: int | None) -> None:
     """Re-deliver a stage's input stream from an offset (moves its consumer group there)."""
-    from streamrl.bus.keys import Keys
+    from streamrl.bus.shards import run_shards
 
-    k = Keys(c.run)
-    stream, group = {
-        "rollout": (k.tasks, d.ROLLOUT_GROUP),
-        "verify": (k.rollouts, d.VERIFY_GROUP),
-        "learner": (k.groups, d.LEARNER_GROUP),
-    }[stage]
-    c.client().xgroup_setid(stream, group, offset)
-    click.echo(f"{group} will re-read {stream} after {offset}")
+    r = c.client()
+    shards = run_shards(r, c.run)
+    if shard is not None:
+        if len(shards) == 1:
+            raise click.UsageError(f"run {c.run!r} is not sharded: leave out --shard")
+        if shard >= len(shards):
+            raise click.UsageError(f"run {c.run!r} has shards 0..{len(shards) - 1}, not {shard}")
+        shards = [shards[shard]]
+    elif len(shards) > 1 and offset not in ("0", "$"):
+        raise click.UsageError(
+            f"run {c.run!r} has {len(shards)} shards and {offset} is an entry of one of them: "
+            "pick it with --shard N (or replay every shard from 0 or $)"
+        )
+    for k in shards:
+        stream, group = {
+            "rollout": (k.tasks, d.ROLLOUT_GROUP),
+            "verify": (k.rollouts, d.VERIFY_GROUP),
+            "learner": (k.groups, d.LEARNER_GROUP),
+        }[stage]
+        r.xgroup_setid(stream, group, offset)
+        click.echo(f"{group} will re-read {stream} after {offset}")
 
 
 @main.command()

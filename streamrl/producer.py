@@ -25,7 +25,7 @@ import redis
 from streamrl import defaults as d
 from streamrl import schema
 from streamrl.bus.keys import Keys, shard_keys, shard_of
-from streamrl.bus.shards import shard_count
+from streamrl.bus.shards import run_shards, shard_count
 from streamrl.bus.streams import Scripts
 from streamrl.bus.trim import trim_run
 from streamrl.envs import Environment
@@ -270,6 +270,14 @@ class LearnerAdmission:
         self._trimmed_at = -float("inf")
         self._published_at = -float("inf")
         self._last_probe = -float("inf")
+        self._shards: list[Keys] | None = None
+
+    def shards(self) -> list[Keys]:
+        """The run's shards, read from its config once (the config is stored before any
+        push)."""
+        if self._shards is None:
+            self._shards = run_shards(self.r, self.keys.run)
+        return self._shards
 
     @classmethod
     def from_config(
@@ -306,18 +314,25 @@ class LearnerAdmission:
         if not self._loaded:
             self._load()
         g = self.group_size
+        shards = self.shards()
         pipe = self.r.pipeline(transaction=False)
-        pipe.xinfo_stream(self.keys.tasks)
         pipe.hmget(self.keys.learner, list(_LEARNER_FIELDS))
-        pipe.hget(self.keys.stats, "groups_dropped")
-        info, learner, assembly_dropped = pipe.execute(raise_on_error=False)
-        if isinstance(info, redis.ResponseError):  # no tasks stream yet: nothing pushed
-            info = {"entries-added": 0}
-        elif isinstance(info, Exception):
-            raise info
-        for v in (learner, assembly_dropped):
-            if isinstance(v, Exception):
-                raise v
+        for keys in shards:
+            pipe.xinfo_stream(keys.tasks)
+            pipe.hget(keys.stats, "groups_dropped")
+        learner, *per_shard = pipe.execute(raise_on_error=False)
+        added, assembly_dropped = 0, 0
+        for info, shard_dropped in zip(per_shard[::2], per_shard[1::2], strict=True):
+            if isinstance(info, redis.ResponseError):  # no tasks stream yet: nothing pushed
+                info = {"entries-added": 0}
+            elif isinstance(info, Exception):
+                raise info
+            if isinstance(shard_dropped, Exception):
+                raise shard_dropped
+            added += int(info["entries-added"])
+            assembly_dropped += int(shard_dropped or 0)
+        if isinstance(learner, Exception):
+            raise learner
         limit_s, consumed, applied, waiting, invalid = (int(float(x or 0)) for x in learner[:5])
         useful = (applied + waiting) * g
         dropped = max(0, consumed + invalid * g - useful) + int(assembly_dropped or 0) * g
@@ -335,7 +350,7 @@ class LearnerAdmission:
         self._seen_useful = max(self._seen_useful, useful)
         self._seen_dropped = max(self._seen_dropped, dropped)
         return Gate(
-            pushed=int(info["entries-added"]),
+            pushed=added,
             useful=useful,
             dropped=dropped,
             debt=debt,
@@ -355,15 +370,23 @@ class LearnerAdmission:
         if not fresh and now - self._memory_at < self.memory_check_s:
             return self._memory
         self._memory_at = now
-        k = self.keys
-        streams = (k.tasks, k.rollouts, k.scored, k.groups)
+        shards = self.shards()
         pipe = self.r.pipeline(transaction=False)
-        for stream in streams:
-            pipe.xlen(stream)
-            pipe.memory_usage(stream, samples=5)
-        pipe.hmget(k.stats, ["trajectories", "groups_completed", "groups_dropped"])
-        pipe.xlen(k.dead)
-        rest = pipe.execute()
+        for k in shards:
+            for stream in (k.tasks, k.rollouts, k.scored, k.groups):
+                pipe.xlen(stream)
+                pipe.memory_usage(stream, samples=5)
+            pipe.hmget(k.stats, ["trajectories", "groups_completed", "groups_dropped"])
+            pipe.xlen(k.dead)
+        replies = pipe.execute()
+        # summed over the shards: (length, bytes) per stage, then the stats, then dead letters
+        rest: list[Any] = [0] * 8 + [[0, 0, 0], 0]
+        for i in range(len(shards)):
+            part = replies[10 * i : 10 * i + 10]
+            for j in range(8):
+                rest[j] += int(part[j] or 0)
+            rest[8] = [a + int(b or 0) for a, b in zip(rest[8], part[8], strict=True)]
+            rest[9] += int(part[9] or 0)
         info = memory_info(self.r)
         budgets = []
         if self.redis_memory_mb > 0:

@@ -20,7 +20,10 @@ def status_table(info: dict[str, Any]) -> Table:
     t = Table(title=f"streamrl run {info['run']!r}")
     for col in ("stage", "stream length", "group", "lag", "pending", "consumers"):
         t.add_column(col)
-    for stage, s in info["stages"].items():
+    rows = [(stage, s) for stage, s in info["stages"].items()]
+    for label, part in (info.get("shards") or {}).items():  # a sharded run: totals, then each
+        rows += [(f"{stage} (shard {label})", s) for stage, s in part["stages"].items()]
+    for stage, s in rows:
         for gname, g in s["groups"].items() or {"-": {}}.items():
             t.add_row(
                 stage,
