@@ -4,11 +4,13 @@ exactly once (per-shard last IDs in the checkpoint)."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
+import threading
 
+import msgspec
+import torch
 from groupdata import make_groups
 
 from streamrl import schema
@@ -18,8 +20,11 @@ from streamrl.config import RunConfig, StreamConfig
 from streamrl.connection import connect
 from streamrl.defaults import LEARNER_GROUP
 from streamrl.learner._failpoints import ENV as FAILPOINT_ENV
+from streamrl.learner.config import load_learner_config
+from streamrl.learner.loop import run_learner
 from streamrl.workers.context import write_config
 
+SHARDS = 3
 CONFIG = """
 run = "{run}"
 
@@ -51,7 +56,7 @@ def test_sharded_learner_is_exactly_once_across_shards(
     ids: list[list[str]] = [[], [], []]
     for k in shards:
         ensure_groups(r, k)
-    for i, g in enumerate(make_groups(tiny_dir, 15, seed=4)):
+    for i, g in enumerate(make_groups(tiny_dir, 12, seed=4)):
         k = shards[i % 3]
         ids[i % 3].append(r.xadd(k.groups, {"id": g.prompt_id, "p": schema.encode(g)}).decode())
     cfg = tmp_path / "learn.toml"
@@ -69,9 +74,19 @@ def test_sharded_learner_is_exactly_once_across_shards(
     held = sum(r.xpending(k.groups, LEARNER_GROUP)["pending"] for k in shards)
     assert held > 0  # the crash left covered entries unacked
 
-    done = subprocess.run(cmd, env=subprocess_env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    state = json.loads(done.stdout.strip().splitlines()[-1])
+    # the restart, in this process (on a thread: no signal handlers), saves a torch start-up
+    threads = torch.get_num_threads()
+    box: dict = {}
+    learn = load_learner_config(cfg)
+    t = threading.Thread(
+        target=lambda: box.update(
+            state=run_learner(url, run, learn, exit_when_idle=0.5, shards=SHARDS)
+        )
+    )
+    t.start()
+    t.join(120)
+    torch.set_num_threads(threads)
+    state = msgspec.to_builtins(box["state"])
 
     acked = 0
     for s, k in enumerate(shards):
@@ -89,4 +104,4 @@ def test_sharded_learner_is_exactly_once_across_shards(
     assert set(state["last_ids"]) == {"0", "1", "2"}  # every shard was read
     # each acked group counted once: the restart skipped what the checkpoint covered
     assert state["counters"]["groups_consumed"] == acked
-    assert acked >= 12
+    assert acked >= 9
