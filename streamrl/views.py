@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from streamrl import schema
-from streamrl.bus.keys import Keys
+from streamrl.bus.shards import run_shards
 
 
 def status_table(info: dict[str, Any]) -> Table:
@@ -100,29 +100,38 @@ def policy_health_table(workers: dict[str, dict[str, Any]]) -> Table:
 
 
 class RewardFeed:
-    """Reads the ``scored`` stream from where it was, and keeps per-policy-version means."""
+    """Reads the ``scored`` stream (every shard's, for a sharded run) from where it was, and
+    keeps per-policy-version means."""
 
     def __init__(self, r: redis.Redis, run: str, start: str = "$"):
         self.r = r
-        self.key = Keys(run).scored
-        self.last = start if start != "$" else (self._last_id() or "0-0")
+        self.keys = [k.scored for k in run_shards(r, run)]
+        self.last = {
+            key: start if start != "$" else (self._last_id(key) or "0-0") for key in self.keys
+        }
         self.by_version: dict[int, list[float]] = {}
         self.failures = 0
         self.recent: deque[tuple[float, float]] = deque(maxlen=4096)  # (time, reward)
 
-    def _last_id(self) -> str | None:
-        row = self.r.xrevrange(self.key, count=1)
+    def _last_id(self, key: str) -> str | None:
+        row = self.r.xrevrange(key, count=1)
         return row[0][0].decode() if row else None
 
     def poll(self) -> list[float]:
-        """Read what was scored since the last poll; returns the new rewards in order."""
+        """Read what was scored since the last poll; returns the new rewards in order (of
+        each shard in turn)."""
         new: list[float] = []
+        for key in self.keys:
+            self._poll(key, new)
+        return new
+
+    def _poll(self, key: str, new: list[float]) -> None:
         while True:
-            rows = self.r.xrange(self.key, min=f"({self.last}", count=2000)
+            rows = self.r.xrange(key, min=f"({self.last[key]}", count=2000)
             if not rows:
-                return new
+                return
             for eid, fields in rows:
-                self.last = eid.decode()
+                self.last[key] = eid.decode()
                 score = schema.SCORE.decode(fields[b"p"])
                 if score.reward is None:
                     self.failures += 1

@@ -14,6 +14,8 @@ from streamrl.envs import make_env
 from streamrl.pipeline import LocalPipeline, task_ids, xrange_all
 from streamrl.producer import Producer
 from streamrl.schema import GROUP
+from streamrl.verifiers.drift import drift_report
+from streamrl.views import RewardFeed
 from tests.support.cli import run_cli
 
 # CRC16 puts the tags {nodes:0}, {nodes:1}, {nodes:2} in slots 13201, 9136 and 5075, one in
@@ -68,6 +70,9 @@ def test_sharded_run_spreads_over_nodes_and_loses_nothing(
         acc = p.account(task_ids("counter", 8, 30, 2))
         per_shard = [[GROUP.decode(f[b"p"]).prompt_id for _, f in xrange_all(p.r, k.groups)]
                      for k in p.shards]  # fmt: skip
+        # the live reward feed and re-verification read every shard
+        rewards = RewardFeed(p.r, RUN, start="0-0").poll()
+        drift = drift_report(p.r, RUN)
         # the data is physically on each shard's own master
         for k, port in zip(p.shards, owners, strict=True):
             assert redis.Redis(port=port).xlen(k.groups) == 10
@@ -79,6 +84,7 @@ def test_sharded_run_spreads_over_nodes_and_loses_nothing(
         replayed = run_cli([*base, "replay", "learner", "--from", "1-0"], subprocess_env)
     assert acc.lost == 0 and acc.duplicated == 0 and acc.failures == 0
     assert acc.groups == 30 and acc.malformed_groups == 0
+    assert len(rewards) == 60 and drift["samples"] == 60
     # prompt i went to shard i mod 3: ten prompts each
     for s, prompts in enumerate(per_shard):
         assert sorted(int(pid.rsplit("-", 1)[1]) % SHARDS for pid in prompts) == [s] * 10
