@@ -8,7 +8,7 @@ import json
 
 import redis
 
-from streamrl.bus.keys import Keys
+from streamrl.bus.keys import Keys, shard_keys
 from streamrl.config import RolloutConfig, RunConfig, StreamConfig, VerifyConfig
 from streamrl.envs import make_env
 from streamrl.pipeline import LocalPipeline, task_ids, xrange_all
@@ -29,6 +29,7 @@ def _slot(r, key: str) -> int:
 
 
 def test_keys_of_one_shard_share_a_slot_and_unsharded_names_are_unchanged():
+    assert shard_keys(RUN, 1) == [Keys(RUN)]  # shards = 1: today's names, no shard index
     assert Keys(RUN).tasks == "srl:{nodes}:tasks"
     assert Keys(RUN, 2).tasks == "srl:{nodes:2}:tasks"
     assert Keys(RUN, 2).config == Keys(RUN).config == "srl:{nodes}:config"  # run-wide keys
