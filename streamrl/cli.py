@@ -323,6 +323,8 @@ def produce(
     r = c.client(resilient=True)
     control = c.control(r)
     stored = read_config(r.get(Keys(c.run).config))
+    if stored is not None and shards is None and config_path is None:
+        cfg.streams.shards = stored.streams.shards  # more prompts for a run: keep its shards
     if stored is not None and stored.streams.shards != cfg.streams.shards:
         raise click.ClickException(
             f"run {c.run!r} has {stored.streams.shards} shards; this producer asks for "

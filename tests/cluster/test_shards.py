@@ -95,3 +95,26 @@ def test_sharded_run_spreads_over_nodes_and_loses_nothing(
     assert [info["shards"][str(s)]["groups_completed"] for s in range(SHARDS)] == [10] * 3
     assert info["stages"]["groups"]["length"] == 30
     assert replayed.returncode == 2 and "--shard" in replayed.stderr
+
+
+def test_cli_keeps_a_runs_shards_and_replays_per_shard(cluster_urls, subprocess_env, tmp_path):
+    data_url, control_url = cluster_urls
+    base = ["--run-dir", str(tmp_path / "rd"), "--redis", data_url]
+    base += ["--control-redis", control_url, "--run", "clsh"]
+    produce = [*base, "produce", "--env", "counter", "--group-size", "2"]
+    first = run_cli([*produce, "--count", "3", "--shards", "3"], subprocess_env)
+    assert first.returncode == 0, first.stderr
+    more = run_cli([*produce, "--count", "6"], subprocess_env)  # keeps the run's 3 shards
+    assert more.returncode == 0 and "pushed 3 prompts" in more.stdout, more.stderr
+    other = run_cli([*produce, "--count", "9", "--shards", "2"], subprocess_env)
+    assert other.returncode == 1 and "has 3 shards" in other.stderr
+    r = redis.RedisCluster.from_url(data_url.replace("+cluster", ""))
+    assert [r.xlen(Keys("clsh", s).tasks) for s in range(3)] == [4, 4, 4]
+    every = run_cli([*base, "replay", "rollout", "--from", "$"], subprocess_env)
+    assert every.returncode == 0 and every.stdout.count("will re-read") == 3
+    one = run_cli([*base, "replay", "rollout", "--shard", "1", "--from", "1-0"], subprocess_env)
+    assert one.returncode == 0 and "{clsh:1}" in one.stdout
+    assert r.xinfo_groups(Keys("clsh", 1).tasks)[0]["last-delivered-id"] == b"1-0"
+    assert r.xinfo_groups(Keys("clsh", 0).tasks)[0]["lag"] == 0  # moved to $ before
+    bad = run_cli([*base, "replay", "rollout", "--shard", "3"], subprocess_env)
+    assert bad.returncode == 2 and "shards 0..2" in bad.stderr
