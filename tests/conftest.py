@@ -59,8 +59,12 @@ def subprocess_env():
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory):
     """A real three-master Redis Cluster on free ports (tests/support/cluster.py)."""
+    import shutil
+
     from tests.support.cluster import LocalCluster
 
+    if shutil.which("redis-cli") is None:
+        pytest.skip("redis-cli is needed to create a local Redis Cluster (it ships with Redis)")
     with LocalCluster(tmp_path_factory.mktemp("cluster")) as cluster:
         assert 6379 not in cluster.ports
         yield cluster
