@@ -15,8 +15,11 @@ from streamrl.cliopts import env_option
 
 
 class Ctx:
-    def __init__(self, redis_url: str | None, run: str, run_dir: str):
+    def __init__(
+        self, redis_url: str | None, run: str, run_dir: str, control_redis: str | None = None
+    ):
         self.redis_url = redis_url
+        self.control_redis = control_redis
         self.run = run
         self.run_dir = run_dir
 
@@ -33,7 +36,8 @@ class Ctx:
         return _checked(url)
 
     def client(self, resilient: bool = False):
-        """A client for this command. Long-lived roles (``produce``) pass ``resilient`` to
+        """A client for this command's data Redis (a ``RedisCluster`` for a
+        ``redis+cluster://`` URL). Long-lived roles (``produce``) pass ``resilient`` to
         ride out a Redis restart; the first ping still fails fast on a wrong URL."""
         import redis
 
@@ -46,6 +50,32 @@ class Ctx:
         except redis.RedisError as e:
             raise click.ClickException(redact(f"cannot reach Redis at {url}: {e}")) from None
         return make_resilient(r) if resilient else r
+
+    def control_url(self) -> str:
+        """rq's Redis: --control-redis, STREAMRL_CONTROL_URL, else the data Redis when it is
+        not a Redis Cluster (rq cannot use one)."""
+        from streamrl.connection import control_url
+
+        try:
+            return control_url(self.url(), self.control_redis)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
+
+    def control(self, data=None):
+        """A client for rq's Redis; ``data`` itself when that is the same server."""
+        import redis
+
+        from streamrl.connection import connect, redact
+
+        url = self.control_url()
+        if data is not None and url == self.url():
+            return data
+        r = connect(url)
+        try:
+            r.ping()
+        except redis.RedisError as e:
+            raise click.ClickException(redact(f"cannot reach Redis at {url}: {e}")) from None
+        return r
 
 
 pass_ctx = click.make_pass_decorator(Ctx)
@@ -109,18 +139,38 @@ class Group(click.Group):
 
 
 @click.group(cls=Group)
-@click.option("--redis", "redis_url", envvar="STREAMRL_REDIS_URL", help="Redis URL.")
+@click.option(
+    "--redis",
+    "redis_url",
+    envvar="STREAMRL_REDIS_URL",
+    help="The run's data Redis: redis://, rediss://, unix:// or redis+cluster://HOST:PORT "
+    "(a Redis Cluster, any node).",
+)
+@click.option(
+    "--control-redis",
+    "control_redis",
+    envvar="STREAMRL_CONTROL_URL",
+    help="A plain Redis for rq's queues and workers (default: --redis; required when --redis "
+    "is a Redis Cluster).",
+)
 @click.option("--run", default=d.DEFAULT_RUN, envvar="STREAMRL_RUN", show_default=True)
 @click.option("--run-dir", default=d.RUN_DIR, show_default=True, help="Private Redis lives here.")
 @click.option("--debug", is_flag=True, help="Show the traceback of an unexpected error.")
 @click.version_option(package_name="streamrl")
 @click.pass_context
-def main(ctx: click.Context, redis_url: str | None, run: str, run_dir: str, debug: bool) -> None:
+def main(
+    ctx: click.Context,
+    redis_url: str | None,
+    control_redis: str | None,
+    run: str,
+    run_dir: str,
+    debug: bool,
+) -> None:
     """streamrl: RL from verifiable rewards as a streaming pipeline on Redis."""
     from streamrl.log import configure
 
     configure()
-    ctx.obj = Ctx(redis_url, run, run_dir)
+    ctx.obj = Ctx(redis_url, run, run_dir, control_redis)
 
 
 @main.command()
@@ -187,6 +237,13 @@ def up(c: Ctx, durable: bool) -> None:
 @env_option
 @click.option("--policy", "backend", default=None, help="Policy backend for the workers.")
 @click.option(
+    "--shards",
+    type=click.IntRange(min=1, max=d.MAX_SHARDS),
+    default=None,
+    help="Split the run's streams into N shards ([streams] shards), so a Redis Cluster "
+    "spreads the run over its nodes.",
+)
+@click.option(
     "--skip-policy-check",
     is_flag=True,
     help="Do not check the policy here (its model lives only on the worker machines).",
@@ -203,13 +260,14 @@ def produce(
     env_options,
     backend,
     skip_policy_check,
+    shards,
 ) -> None:
     """Push tasks: prompts from an environment's generator, or rows of a JSONL file.
 
     Also stores the run's config, which the workers read. A restarted producer continues where
     the last one stopped: prompts are never pushed twice.
     """
-    from streamrl.bus.keys import Keys
+    from streamrl.bus.keys import Keys, shard_keys
     from streamrl.bus.streams import ensure_groups
     from streamrl.config import RunConfig, load_toml
     from streamrl.envs import make_env
@@ -223,7 +281,7 @@ def produce(
         admission_limit,
     )
     from streamrl.workers import leases
-    from streamrl.workers.context import write_config
+    from streamrl.workers.context import read_config, write_config
 
     try:
         cfg: RunConfig = load_toml(config_path) if config_path else RunConfig()
@@ -242,6 +300,8 @@ def produce(
     cfg.env_options = {**cfg.env_options, **env_options}
     if backend:
         cfg.policy.backend = backend
+    if shards:
+        cfg.streams.shards = shards
     cfg = _validated(cfg)  # the flags above are config fields too
     if dataset is None and count is None:
         raise click.UsageError("give --count N (prompts from --env's generator) or --dataset")
@@ -261,11 +321,21 @@ def produce(
             )
             raise click.ClickException(f"{e}{hint}") from None
     r = c.client(resilient=True)
-    ensure_groups(r, Keys(c.run))
-    r.delete(Keys(c.run).halt)
+    control = c.control(r)
+    stored = read_config(r.get(Keys(c.run).config))
+    if stored is not None and shards is None and config_path is None:
+        cfg.streams.shards = stored.streams.shards  # more prompts for a run: keep its shards
+    if stored is not None and stored.streams.shards != cfg.streams.shards:
+        raise click.ClickException(
+            f"run {c.run!r} has {stored.streams.shards} shards; this producer asks for "
+            f"{cfg.streams.shards}: a run's shard count cannot change (start a new --run)"
+        )
     write_config(r, cfg)
+    for k in shard_keys(c.run, cfg.streams.shards):
+        ensure_groups(r, k)
+    r.delete(Keys(c.run).halt)
     for q in (d.ROLLOUT_QUEUE, d.VERIFY_QUEUE):
-        leases.top_up(r, q, c.run)
+        leases.top_up_shards(control, q, c.run, data=None if control is r else r)
     # admission control: never more than (max_staleness + 1) learner batches in flight, drops
     # settle only as fast as training pays for them, and Redis stays under its memory budget
     limit = admission_limit(cfg.learner, cfg.group_size)
@@ -296,18 +366,25 @@ def produce(
 @pass_ctx
 def worker(c: Ctx, role: str, name: str | None) -> None:
     """Run one rq worker for ROLE (same as
-    `rq worker -u URL -w streamrl.workers.LeaseWorker -S json srl-ROLE`)."""
-    from streamrl.bus.keys import Keys
+    `rq worker -u URL -w streamrl.workers.LeaseWorker -S json srl-ROLE`; with a separate
+    control Redis, rq gets that URL and the worker the data URL as STREAMRL_DATA_URL)."""
+    from streamrl.bus.shards import run_shards
     from streamrl.bus.streams import ensure_groups
+    from streamrl.connection import ENV_DATA_URL
     from streamrl.procs import rq_worker_cmd
     from streamrl.workers import leases
 
     url = c.url()
     queue = d.ROLLOUT_QUEUE if role == "rollout" else d.VERIFY_QUEUE
     r = c.client()
-    ensure_groups(r, Keys(c.run))
-    leases.top_up(r, queue, c.run)
-    cmd = rq_worker_cmd(url, queue, name, quiet=False)
+    control = c.control(r)
+    for k in run_shards(r, c.run):
+        ensure_groups(r, k)
+    leases.top_up_shards(control, queue, c.run, data=None if control is r else r)
+    control_url = c.control_url()
+    if control_url != url:
+        os.environ[ENV_DATA_URL] = url
+    cmd = rq_worker_cmd(control_url, queue, name, quiet=False)
     os.execv(cmd[0], cmd)
 
 
@@ -319,7 +396,8 @@ def status(c: Ctx, as_json: bool) -> None:
     from streamrl.status import collect
     from streamrl.views import status_table
 
-    info = collect(c.client(), c.run)
+    r = c.client()
+    info = collect(r, c.run, control=c.control(r))
     if as_json:
         click.echo(json.dumps(info))
     else:
@@ -335,7 +413,8 @@ def watch(c: Ctx, interval: float) -> None:
     """Live view: rewards as they are scored, throughput, lag (Ctrl-C to stop)."""
     from streamrl.views import watch_live
 
-    watch_live(c.client(), c.run, interval)
+    r = c.client()
+    watch_live(r, c.run, interval, control=c.control(r))
 
 
 @main.command()
@@ -345,9 +424,12 @@ def watch(c: Ctx, interval: float) -> None:
 def dead(c: Ctx, limit: int, as_json: bool) -> None:
     """The newest dead letters, with the reason each entry left its stage."""
     from streamrl import schema
-    from streamrl.bus.keys import Keys
+    from streamrl.bus.keys import id_order
+    from streamrl.bus.shards import run_shards
 
-    rows = c.client().xrevrange(Keys(c.run).dead, count=limit)
+    r = c.client()
+    rows = [row for k in run_shards(r, c.run) for row in r.xrevrange(k.dead, count=limit)]
+    rows = sorted(rows, key=lambda row: id_order(row[0]), reverse=True)[:limit]
     for eid, fields in rows:
         dl = schema.DEAD_LETTER.decode(fields[b"p"])
         rec = {"id": eid.decode(), "stage": dl.stage, "task_id": dl.task_id, "reason": dl.reason}
@@ -378,19 +460,39 @@ def trim(c: Ctx) -> None:
     show_default=True,
     help="Stream offset: an entry ID (1700000000000-0), 0 (the start) or $ (the end).",
 )
+@click.option(
+    "--shard",
+    type=click.IntRange(min=0),
+    default=None,
+    help="A sharded run: replay this shard only (an entry ID names a place in one shard's "
+    "stream; 0 and $ may be given to every shard at once).",
+)
 @pass_ctx
-def replay(c: Ctx, stage: str, offset: str) -> None:
+def replay(c: Ctx, stage: str, offset: str, shard: int | None) -> None:
     """Re-deliver a stage's input stream from an offset (moves its consumer group there)."""
-    from streamrl.bus.keys import Keys
+    from streamrl.bus.shards import run_shards
 
-    k = Keys(c.run)
-    stream, group = {
-        "rollout": (k.tasks, d.ROLLOUT_GROUP),
-        "verify": (k.rollouts, d.VERIFY_GROUP),
-        "learner": (k.groups, d.LEARNER_GROUP),
-    }[stage]
-    c.client().xgroup_setid(stream, group, offset)
-    click.echo(f"{group} will re-read {stream} after {offset}")
+    r = c.client()
+    shards = run_shards(r, c.run)
+    if shard is not None:
+        if len(shards) == 1:
+            raise click.UsageError(f"run {c.run!r} is not sharded: leave out --shard")
+        if shard >= len(shards):
+            raise click.UsageError(f"run {c.run!r} has shards 0..{len(shards) - 1}, not {shard}")
+        shards = [shards[shard]]
+    elif len(shards) > 1 and offset not in ("0", "$"):
+        raise click.UsageError(
+            f"run {c.run!r} has {len(shards)} shards and {offset} is an entry of one of them: "
+            "pick it with --shard N (or replay every shard from 0 or $)"
+        )
+    for k in shards:
+        stream, group = {
+            "rollout": (k.tasks, d.ROLLOUT_GROUP),
+            "verify": (k.rollouts, d.VERIFY_GROUP),
+            "learner": (k.groups, d.LEARNER_GROUP),
+        }[stage]
+        r.xgroup_setid(stream, group, offset)
+        click.echo(f"{group} will re-read {stream} after {offset}")
 
 
 @main.command()

@@ -67,6 +67,9 @@ class StreamConfig(_Cfg, kw_only=True):
     max_deliveries: AtLeastOne = d.MAX_DELIVERIES
     retention_ms: Annotated[int, msgspec.Meta(ge=0)] = d.RETENTION_MS
     block_ms: AtLeastOne = d.READ_BLOCK_MS  # 0 would block for ever
+    # split the run's streams into this many shards, each its own hash tag {run:s}, so that
+    # a Redis Cluster spreads the run over its nodes (streamrl.bus.keys); 1: no shards
+    shards: Annotated[int, msgspec.Meta(ge=1, le=d.MAX_SHARDS)] = 1
 
     def __post_init__(self) -> None:
         if self.heartbeat_s * 1000 >= self.claim_idle_ms:

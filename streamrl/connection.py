@@ -1,4 +1,11 @@
-"""Where the Redis URL comes from, and clients configured for long blocking stream reads.
+"""Where the Redis URLs come from, and clients configured for long blocking stream reads.
+
+Two Redis roles. The *data* Redis holds a run's streams and keys (``--redis``,
+``STREAMRL_REDIS_URL``); it may be a Redis Cluster, named by the ``redis+cluster://`` (or
+``rediss+cluster://``) scheme with any one node's address, and is then reached with redis-py's
+``RedisCluster``. The *control* Redis holds rq's queues, jobs and worker registrations
+(``--control-redis``, ``STREAMRL_CONTROL_URL``); rq does not support Redis Cluster, so it must
+be a plain Redis, and defaults to the data Redis when that one is plain.
 
 Long-lived roles (rq workers and their leases, the learner, the producer) use
 ``resilient=True``: every command is retried with exponential backoff on connection errors, so
@@ -31,7 +38,11 @@ from streamrl.defaults import (
 )
 
 ENV_URL = "STREAMRL_REDIS_URL"
-URL_SCHEMES = ("redis://", "rediss://", "unix://")
+ENV_CONTROL_URL = "STREAMRL_CONTROL_URL"
+# set by `streamrl worker` and WorkerProcs for rq workers whose data Redis is not rq's own
+ENV_DATA_URL = "STREAMRL_DATA_URL"
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+URL_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
 _PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@\s]+@", re.IGNORECASE)
 
 
@@ -45,10 +56,44 @@ def check_url(url: str) -> str:
     if not url.startswith(URL_SCHEMES):
         hint = f" (did you mean redis://{redact(url)} ?)" if "://" not in url else ""
         raise ValueError(
-            f"{redact(url)!r} is not a Redis URL: it must start with redis://, rediss:// or "
-            f"unix://{hint}"
+            f"{redact(url)!r} is not a Redis URL: it must start with redis://, rediss://, "
+            f"unix:// or (a Redis Cluster) redis+cluster://{hint}"
         )
     return url
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.startswith(CLUSTER_SCHEMES)
+
+
+def is_cluster(client: Any) -> bool:
+    return isinstance(client, redis.RedisCluster | redis.asyncio.RedisCluster)
+
+
+def _plain_url(url: str) -> str:
+    """``redis+cluster://h:p`` -> ``redis://h:p``: what ``RedisCluster.from_url`` reads."""
+    scheme, rest = url.split("://", 1)
+    return f"{scheme.replace('+cluster', '')}://{rest}"
+
+
+def control_url(data_url: str, control: str | None = None) -> str:
+    """The plain Redis for rq: ``control``, else ``STREAMRL_CONTROL_URL``, else the data
+    Redis itself when it is not a cluster."""
+    url = control or os.environ.get(ENV_CONTROL_URL)
+    if url:
+        check_url(url)
+        if is_cluster_url(url):
+            raise ValueError(
+                f"{redact(url)!r}: rq cannot use a Redis Cluster; give the control Redis as a "
+                "plain redis:// URL"
+            )
+        return url
+    if is_cluster_url(data_url):
+        raise ValueError(
+            f"the data Redis {redact(data_url)!r} is a Redis Cluster, which rq cannot use: give "
+            f"a plain Redis for rq's queues with --control-redis URL or {ENV_CONTROL_URL}"
+        )
+    return data_url
 
 
 _RETRY_ON = (redis.ConnectionError, redis.TimeoutError)
@@ -102,9 +147,25 @@ def _client_kwargs(resilient: bool, asynchronous: bool) -> dict[str, Any]:
     return kw
 
 
-def connect(url: str, resilient: bool = False) -> redis.Redis:
+def _cluster_kwargs(resilient: bool, asynchronous: bool) -> dict[str, Any]:
+    kw = _client_kwargs(resilient, asynchronous)
+    kw.pop("health_check_interval", None)
+    return kw
+
+
+def connect(url: str, resilient: bool = False) -> Any:
+    """A sync client: ``redis.Redis``, or ``redis.RedisCluster`` for a cluster URL (same
+    commands; every Lua script streamrl runs touches keys of one hash slot)."""
+    if is_cluster_url(url):
+        return redis.RedisCluster.from_url(
+            _plain_url(url), **_cluster_kwargs(resilient, asynchronous=False)
+        )
     return redis.Redis.from_url(url, **_client_kwargs(resilient, asynchronous=False))
 
 
-def connect_async(url: str, resilient: bool = False) -> redis.asyncio.Redis:
+def connect_async(url: str, resilient: bool = False) -> Any:
+    if is_cluster_url(url):
+        return redis.asyncio.RedisCluster.from_url(
+            _plain_url(url), **_cluster_kwargs(resilient, asynchronous=True)
+        )
     return redis.asyncio.Redis.from_url(url, **_client_kwargs(resilient, asynchronous=True))

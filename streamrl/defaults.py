@@ -116,3 +116,9 @@ ADMISSION_MEMORY_CHECK_S = 0.5
 ADMISSION_SAMPLE_BYTES_PRIOR = 2048
 ADMISSION_DROP_PROBE_S = 60.0
 ADMISSION_TELL_EVERY_S = 5.0
+
+# Sharding a run's streams (``[streams] shards``): at most this many shards; a worker or the
+# learner that reads several shards blocks on one of them at a time for at most this long, so
+# that entries arriving on another shard wait no longer than that.
+MAX_SHARDS = 256
+SHARD_BLOCK_MS = 100

@@ -15,7 +15,7 @@ from pathlib import Path
 import redis
 
 from streamrl import schema
-from streamrl.bus.keys import Keys
+from streamrl.bus.keys import Keys, shard_keys
 from streamrl.bus.streams import ensure_groups
 from streamrl.config import RunConfig
 from streamrl.connection import connect
@@ -56,9 +56,14 @@ class LocalPipeline:
         url: str | None = None,
         directory: str | Path | None = None,
         worker_env: dict | None = None,
+        control_url: str | None = None,
     ):
+        """``url`` may name a Redis Cluster (``redis+cluster://``); rq then needs a plain
+        ``control_url``."""
         self.config = config
+        self.control_url = control_url
         self.keys = Keys(config.run)
+        self.shards = shard_keys(config.run, config.streams.shards)
         self._tmp = None if directory else tempfile.TemporaryDirectory(prefix="streamrl-")
         self.dir = Path(directory or self._tmp.name)  # type: ignore[union-attr]
         self.server = None if url else EmbeddedRedis(self.dir / "redis")
@@ -71,10 +76,17 @@ class LocalPipeline:
             self.url = self.server.start().url
         assert self.url is not None
         self.r = connect(self.url)
+        self.control = connect(self.control_url) if self.control_url else self.r
         self.r.delete(self.keys.halt)
         write_config(self.r, self.config)
-        ensure_groups(self.r, self.keys)
-        self.procs = WorkerProcs(self.url, log_dir=self.dir / "logs", env=self.worker_env)
+        for keys in self.shards:
+            ensure_groups(self.r, keys)
+        self.procs = WorkerProcs(
+            self.url,
+            log_dir=self.dir / "logs",
+            env=self.worker_env,
+            control_url=self.control_url,
+        )
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -100,20 +112,28 @@ class LocalPipeline:
         run = self.config.run
         if not top_up:
             return started
+        data = None if self.control is self.r else self.r
         if rollout:
-            leases.top_up(self.r, ROLLOUT_QUEUE, run, waiting=rollout, seconds=seconds)
+            leases.top_up_shards(
+                self.control, ROLLOUT_QUEUE, run, waiting=rollout, seconds=seconds, data=data
+            )
         if verify:
-            leases.top_up(self.r, VERIFY_QUEUE, run, waiting=verify, seconds=seconds)
+            leases.top_up_shards(
+                self.control, VERIFY_QUEUE, run, waiting=verify, seconds=seconds, data=data
+            )
         return started
 
     def consumers(self, stage: str) -> int:
-        stream, group = {
-            "rollout": (self.keys.tasks, ROLLOUT_GROUP),
-            "verify": (self.keys.rollouts, VERIFY_GROUP),
-        }[stage]
-        with contextlib.suppress(redis.ResponseError):
-            return len(self.r.xinfo_consumers(stream, group))
-        return 0
+        """Distinct consumers of the stage, over every shard."""
+        names: set[bytes] = set()
+        for keys in self.shards:
+            stream, group = {
+                "rollout": (keys.tasks, ROLLOUT_GROUP),
+                "verify": (keys.rollouts, VERIFY_GROUP),
+            }[stage]
+            with contextlib.suppress(redis.ResponseError):
+                names |= {c["name"] for c in self.r.xinfo_consumers(stream, group)}
+        return len(names)
 
     def wait_ready(self, rollout: int, verify: int, timeout: float = 60.0) -> None:
         """Until that many worker consumers exist: the leases have started."""
@@ -131,7 +151,12 @@ class LocalPipeline:
 
     # ---------------------------------------------------------------- progress
     def stat(self, name: str) -> int:
-        return int(self.r.hget(self.keys.stats, name) or 0)
+        """A counter of the run's stats, summed over its shards."""
+        return sum(int(self.r.hget(keys.stats, name) or 0) for keys in self.shards)
+
+    def streams(self, stage: str) -> list[str]:
+        """A stage's stream in every shard (``tasks``, ``rollouts``, ``scored``, ``groups``)."""
+        return [getattr(keys, stage) for keys in self.shards]
 
     def wait_groups(self, n: int, timeout: float = 120.0, settled: bool = True) -> int:
         """Until ``n`` groups are closed (completed + dropped)."""
@@ -150,7 +175,8 @@ class LocalPipeline:
     def account(self, expected_task_ids: set[str]) -> Accounting:
         seen: Counter[str] = Counter()
         failures = 0
-        for _, fields in xrange_all(self.r, self.keys.scored):
+        scored = (row for stream in self.streams("scored") for row in xrange_all(self.r, stream))
+        for _, fields in scored:
             score = schema.SCORE.decode(fields[b"p"])
             if score.reward is None:
                 failures += 1
@@ -159,7 +185,7 @@ class LocalPipeline:
         size = self.config.group_size
         malformed = 0
         groups = 0
-        for _, f in xrange_all(self.r, self.keys.groups):
+        for _, f in (row for st in self.streams("groups") for row in xrange_all(self.r, st)):
             g = schema.GROUP.decode(f[b"p"])
             groups += 1
             ks = sorted(s.score.k for s in g.samples)
@@ -178,7 +204,7 @@ class LocalPipeline:
     def trajectories(self) -> list[schema.Trajectory]:
         """Every trajectory inside the completed groups."""
         out = []
-        for _, f in xrange_all(self.r, self.keys.groups):
+        for _, f in (row for st in self.streams("groups") for row in xrange_all(self.r, st)):
             out += [s.trajectory for s in schema.GROUP.decode(f[b"p"]).samples]
         return out
 

@@ -67,10 +67,24 @@ def descendants(pid: int) -> list[int]:
 class WorkerProcs:
     """rq workers, each in its own process group so that a kill takes its work horse too."""
 
-    def __init__(self, url: str, log_dir: str | Path | None = None, env: dict | None = None):
+    def __init__(
+        self,
+        url: str,
+        log_dir: str | Path | None = None,
+        env: dict | None = None,
+        control_url: str | None = None,
+    ):
+        """``url`` is the runs' data Redis; ``control_url`` rq's, when that is another server
+        (a plain Redis beside a Redis Cluster): the workers then get the data URL as
+        ``STREAMRL_DATA_URL``."""
         self.url = url
+        self.control_url = control_url or url
         self.log_dir = Path(log_dir) if log_dir else None
         self.env = env
+        if self.control_url != url:
+            from streamrl.connection import ENV_DATA_URL
+
+            self.env = {**(env if env is not None else os.environ), ENV_DATA_URL: url}
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
     def start(self, queue: str, n: int, prefix: str = "") -> list[subprocess.Popen]:
@@ -82,7 +96,7 @@ class WorkerProcs:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
                 out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - lives with proc
             p = subprocess.Popen(
-                rq_worker_cmd(self.url, queue, name),
+                rq_worker_cmd(self.control_url, queue, name),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -24,7 +24,8 @@ import redis
 
 from streamrl import defaults as d
 from streamrl import schema
-from streamrl.bus.keys import Keys
+from streamrl.bus.keys import Keys, shard_keys, shard_of
+from streamrl.bus.shards import run_shards, shard_count
 from streamrl.bus.streams import Scripts
 from streamrl.bus.trim import trim_run
 from streamrl.envs import Environment
@@ -128,6 +129,19 @@ class Memory:
     def fits(self, n: int) -> bool:
         """Whether ``n`` more samples, and everything already in flight, fit in the budget."""
         return self.used + self.coming + n * self.per_sample < self.budget
+
+
+def memory_info(r: Any) -> dict[str, Any]:
+    """``INFO memory`` of the server; on a Redis Cluster, of the master that uses the most
+    (the budget holds per node: the first node to fill up stops the run)."""
+    from streamrl.connection import is_cluster
+
+    if not is_cluster(r):
+        return r.info("memory")
+    per_node = r.info("memory", target_nodes=redis.RedisCluster.PRIMARIES)
+    if "used_memory" in per_node:  # a single node answered
+        return per_node
+    return max(per_node.values(), key=lambda i: int(i.get("used_memory", 0)))
 
 
 def _per_sample(length: int, used: int | None, samples_per_entry: int) -> float:
@@ -256,6 +270,14 @@ class LearnerAdmission:
         self._trimmed_at = -float("inf")
         self._published_at = -float("inf")
         self._last_probe = -float("inf")
+        self._shards: list[Keys] | None = None
+
+    def shards(self) -> list[Keys]:
+        """The run's shards, read from its config once (the config is stored before any
+        push)."""
+        if self._shards is None:
+            self._shards = run_shards(self.r, self.keys.run)
+        return self._shards
 
     @classmethod
     def from_config(
@@ -292,18 +314,25 @@ class LearnerAdmission:
         if not self._loaded:
             self._load()
         g = self.group_size
+        shards = self.shards()
         pipe = self.r.pipeline(transaction=False)
-        pipe.xinfo_stream(self.keys.tasks)
         pipe.hmget(self.keys.learner, list(_LEARNER_FIELDS))
-        pipe.hget(self.keys.stats, "groups_dropped")
-        info, learner, assembly_dropped = pipe.execute(raise_on_error=False)
-        if isinstance(info, redis.ResponseError):  # no tasks stream yet: nothing pushed
-            info = {"entries-added": 0}
-        elif isinstance(info, Exception):
-            raise info
-        for v in (learner, assembly_dropped):
-            if isinstance(v, Exception):
-                raise v
+        for keys in shards:
+            pipe.xinfo_stream(keys.tasks)
+            pipe.hget(keys.stats, "groups_dropped")
+        learner, *per_shard = pipe.execute(raise_on_error=False)
+        added, assembly_dropped = 0, 0
+        for info, shard_dropped in zip(per_shard[::2], per_shard[1::2], strict=True):
+            if isinstance(info, redis.ResponseError):  # no tasks stream yet: nothing pushed
+                info = {"entries-added": 0}
+            elif isinstance(info, Exception):
+                raise info
+            if isinstance(shard_dropped, Exception):
+                raise shard_dropped
+            added += int(info["entries-added"])
+            assembly_dropped += int(shard_dropped or 0)
+        if isinstance(learner, Exception):
+            raise learner
         limit_s, consumed, applied, waiting, invalid = (int(float(x or 0)) for x in learner[:5])
         useful = (applied + waiting) * g
         dropped = max(0, consumed + invalid * g - useful) + int(assembly_dropped or 0) * g
@@ -321,7 +350,7 @@ class LearnerAdmission:
         self._seen_useful = max(self._seen_useful, useful)
         self._seen_dropped = max(self._seen_dropped, dropped)
         return Gate(
-            pushed=int(info["entries-added"]),
+            pushed=added,
             useful=useful,
             dropped=dropped,
             debt=debt,
@@ -341,16 +370,24 @@ class LearnerAdmission:
         if not fresh and now - self._memory_at < self.memory_check_s:
             return self._memory
         self._memory_at = now
-        k = self.keys
-        streams = (k.tasks, k.rollouts, k.scored, k.groups)
+        shards = self.shards()
         pipe = self.r.pipeline(transaction=False)
-        pipe.info("memory")
-        for stream in streams:
-            pipe.xlen(stream)
-            pipe.memory_usage(stream, samples=5)
-        pipe.hmget(k.stats, ["trajectories", "groups_completed", "groups_dropped"])
-        pipe.xlen(k.dead)
-        info, *rest = pipe.execute()
+        for k in shards:
+            for stream in (k.tasks, k.rollouts, k.scored, k.groups):
+                pipe.xlen(stream)
+                pipe.memory_usage(stream, samples=5)
+            pipe.hmget(k.stats, ["trajectories", "groups_completed", "groups_dropped"])
+            pipe.xlen(k.dead)
+        replies = pipe.execute()
+        # summed over the shards: (length, bytes) per stage, then the stats, then dead letters
+        rest: list[Any] = [0] * 8 + [[0, 0, 0], 0]
+        for i in range(len(shards)):
+            part = replies[10 * i : 10 * i + 10]
+            for j in range(8):
+                rest[j] += int(part[j] or 0)
+            rest[8] = [a + int(b or 0) for a, b in zip(rest[8], part[8], strict=True)]
+            rest[9] += int(part[9] or 0)
+        info = memory_info(self.r)
         budgets = []
         if self.redis_memory_mb > 0:
             budgets.append((int(self.redis_memory_mb * MiB), "[admission] redis_memory_mb"))
@@ -537,30 +574,57 @@ def admission_limit(learner: dict[str, Any], group_size: int) -> int | None:
 
 
 class Producer:
+    """Pushes prompts. A sharded run's prompts go round robin over its shards (prompt ``i`` to
+    shard ``i mod N``); each shard keeps its own position, advanced with its own
+    compare-and-set, so a producer that stopped between two shards' pushes resumes each shard
+    where it stands: nothing is pushed twice or skipped."""
+
     def __init__(
         self,
         r: redis.Redis,
         run: str,
         admission: Admission | None = None,
         batch_samples: int = BATCH,
+        shards: int | None = None,
     ):
         self.r = r
         self.keys = Keys(run)
+        self.shards = shard_keys(run, shards if shards is not None else shard_count(r, run))
         self.scripts = Scripts(r)
         self.admission = admission
         self.batch_samples = batch_samples
 
     def position(self, source: str) -> int:
-        return int(self.r.get(self.keys.producer(source)) or 0)
+        """Prompts of ``source`` pushed to every shard."""
+        return min(self._positions(source))
 
-    def _push(self, source: str, start: int, end: int, tasks: list[schema.Task]) -> bool:
+    def _positions(self, source: str) -> list[int]:
+        return [int(self.r.get(k.producer(source)) or 0) for k in self.shards]
+
+    def _push(
+        self, source: str, start: int, end: int, batch: list[tuple[int, list[schema.Task]]]
+    ) -> tuple[int, set[int]]:
+        """Push prompts ``start..end-1`` (``batch``: (index, samples) of those to push).
+        Returns the samples pushed and the shards whose push went through (a stale position
+        means another producer pushed them first)."""
         if self.admission is not None:
-            self.admission(len(tasks))
-        args: list[Any] = [str(start), str(end)]
-        for t in tasks:
-            args += [t.task_id, schema.encode(t)]
-        n = self.scripts.produce(keys=[self.keys.tasks, self.keys.producer(source)], args=args)
-        return n >= 0
+            self.admission(sum(len(tasks) for _, tasks in batch))
+        positions = [start] if len(self.shards) == 1 else self._positions(source)
+        pushed, shards = 0, set()
+        for s, keys in enumerate(self.shards):
+            at = positions[s]
+            if at >= end:
+                continue
+            args: list[Any] = [str(at), str(end)]
+            for i, tasks in batch:
+                if i >= at and shard_of(i, len(self.shards)) == s:
+                    for t in tasks:
+                        args += [t.task_id, schema.encode(t)]
+            n = self.scripts.produce(keys=[keys.tasks, keys.producer(source)], args=args)
+            if n >= 0:
+                pushed += n
+                shards.add(s)
+        return pushed, shards
 
     def from_env(
         self,
@@ -581,14 +645,14 @@ class Producer:
         res.skipped = min(pos, count)
         while pos < count:
             end = min(count, pos + max(1, self.batch_samples // group_size))
-            batch: list[schema.Task] = []
+            batch: list[tuple[int, list[schema.Task]]] = []
             for i in range(pos, end):
                 prompt = env.generate(random.Random(training_seed(seed, i)), i)
                 pid = f"{env.name}-s{seed}-{i:07d}"
-                batch += _tasks(pid, spec, group_size, prompt.input, prompt.data, seed)
-            if self._push(source, pos, end, batch):
-                res.prompts += end - pos
-                res.samples += len(batch)
+                batch.append((i, _tasks(pid, spec, group_size, prompt.input, prompt.data, seed)))
+            pushed, _ = self._push(source, pos, end, batch)
+            res.prompts += pushed // group_size
+            res.samples += pushed
             pos = self.position(source)
             if progress:
                 progress(pos)
@@ -619,7 +683,7 @@ class Producer:
                 first_use.setdefault(_row_id(rows[line_no], path, line_no), line_no)
         while pos < len(rows):
             end = min(len(rows), pos + max(1, self.batch_samples // group_size))
-            batch: list[schema.Task] = []
+            batch: list[tuple[int, list[schema.Task]]] = []
             rejects: list[tuple[int, str]] = []
             for line_no in range(pos, end):
                 if not rows[line_no].strip():
@@ -634,25 +698,29 @@ class Producer:
                     rejects.append((line_no, f"{path.name}:{line_no + 1}: {e}"))
                     continue
                 first_use[pid] = line_no
-                batch += _tasks(pid, data.pop("env", env), group_size, inp, data, 0)
-            if self._push(source, pos, end, batch):
-                res.prompts += len(batch) // group_size
-                res.samples += len(batch)
-                for line_no, reason in rejects:
-                    self._reject(reason, rows[line_no])
-                res.rejected += [reason for _, reason in rejects]
+                batch.append((line_no, _tasks(pid, data.pop("env", env), group_size, inp, data, 0)))
+            pushed, shards = self._push(source, pos, end, batch)
+            res.prompts += pushed // group_size
+            res.samples += pushed
+            # a bad row is dead-lettered by the producer whose push covered its line
+            mine = [(n, why) for n, why in rejects if shard_of(n, len(self.shards)) in shards]
+            for line_no, reason in mine:
+                self._reject(
+                    reason, rows[line_no], self.shards[shard_of(line_no, len(self.shards))]
+                )
+            res.rejected += [reason for _, reason in mine]
             pos = self.position(source)
             if progress:
                 progress(pos)
         res.position = pos
         return res
 
-    def _reject(self, reason: str, raw: bytes) -> None:
+    def _reject(self, reason: str, raw: bytes, keys: Keys) -> None:
         dl = schema.DeadLetter(
             stage="produce", entry_id="", reason=reason, payload=raw, at=time.time()
         )
-        self.r.xadd(self.keys.dead, {"id": "", "p": schema.encode(dl)})
-        self.r.hincrby(self.keys.stats, "dead_letters", 1)
+        self.r.xadd(keys.dead, {"id": "", "p": schema.encode(dl)})
+        self.r.hincrby(keys.stats, "dead_letters", 1)
 
 
 def _read_rows(path: Path) -> Iterator[bytes]:

@@ -13,14 +13,17 @@ from rich.table import Table
 from rich.text import Text
 
 from streamrl import schema
-from streamrl.bus.keys import Keys
+from streamrl.bus.shards import run_shards
 
 
 def status_table(info: dict[str, Any]) -> Table:
     t = Table(title=f"streamrl run {info['run']!r}")
     for col in ("stage", "stream length", "group", "lag", "pending", "consumers"):
         t.add_column(col)
-    for stage, s in info["stages"].items():
+    rows = [(stage, s) for stage, s in info["stages"].items()]
+    for label, part in (info.get("shards") or {}).items():  # a sharded run: totals, then each
+        rows += [(f"{stage} (shard {label})", s) for stage, s in part["stages"].items()]
+    for stage, s in rows:
         for gname, g in s["groups"].items() or {"-": {}}.items():
             t.add_row(
                 stage,
@@ -97,29 +100,38 @@ def policy_health_table(workers: dict[str, dict[str, Any]]) -> Table:
 
 
 class RewardFeed:
-    """Reads the ``scored`` stream from where it was, and keeps per-policy-version means."""
+    """Reads the ``scored`` stream (every shard's, for a sharded run) from where it was, and
+    keeps per-policy-version means."""
 
     def __init__(self, r: redis.Redis, run: str, start: str = "$"):
         self.r = r
-        self.key = Keys(run).scored
-        self.last = start if start != "$" else (self._last_id() or "0-0")
+        self.keys = [k.scored for k in run_shards(r, run)]
+        self.last = {
+            key: start if start != "$" else (self._last_id(key) or "0-0") for key in self.keys
+        }
         self.by_version: dict[int, list[float]] = {}
         self.failures = 0
         self.recent: deque[tuple[float, float]] = deque(maxlen=4096)  # (time, reward)
 
-    def _last_id(self) -> str | None:
-        row = self.r.xrevrange(self.key, count=1)
+    def _last_id(self, key: str) -> str | None:
+        row = self.r.xrevrange(key, count=1)
         return row[0][0].decode() if row else None
 
     def poll(self) -> list[float]:
-        """Read what was scored since the last poll; returns the new rewards in order."""
+        """Read what was scored since the last poll; returns the new rewards in order (of
+        each shard in turn)."""
         new: list[float] = []
+        for key in self.keys:
+            self._poll(key, new)
+        return new
+
+    def _poll(self, key: str, new: list[float]) -> None:
         while True:
-            rows = self.r.xrange(self.key, min=f"({self.last}", count=2000)
+            rows = self.r.xrange(key, min=f"({self.last[key]}", count=2000)
             if not rows:
-                return new
+                return
             for eid, fields in rows:
-                self.last = eid.decode()
+                self.last[key] = eid.decode()
                 score = schema.SCORE.decode(fields[b"p"])
                 if score.reward is None:
                     self.failures += 1
@@ -140,7 +152,9 @@ class RewardFeed:
         return t
 
 
-def watch_live(r: redis.Redis, run: str, interval: float = 1.0) -> None:
+def watch_live(
+    r: redis.Redis, run: str, interval: float = 1.0, control: redis.Redis | None = None
+) -> None:
     from streamrl.status import collect
 
     feed = RewardFeed(r, run, start="0-0")
@@ -148,7 +162,7 @@ def watch_live(r: redis.Redis, run: str, interval: float = 1.0) -> None:
         with Live(refresh_per_second=4) as live:
             while True:
                 feed.poll()
-                live.update(RichGroup(feed.table(), status_table(collect(r, run))))
+                live.update(RichGroup(feed.table(), status_table(collect(r, run, control))))
                 time.sleep(interval)
     except KeyboardInterrupt:
         pass

@@ -54,3 +54,24 @@ def subprocess_env():
     env["PYTHONUNBUFFERED"] = "1"
     env["STREAMRL_PYTHON"] = sys.executable
     return env
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """A real three-master Redis Cluster on free ports (tests/support/cluster.py)."""
+    import shutil
+
+    from tests.support.cluster import LocalCluster
+
+    if shutil.which("redis-cli") is None:
+        pytest.skip("redis-cli is needed to create a local Redis Cluster (it ships with Redis)")
+    with LocalCluster(tmp_path_factory.mktemp("cluster")) as cluster:
+        assert 6379 not in cluster.ports
+        yield cluster
+
+
+@pytest.fixture
+def cluster_urls(redis_cluster, redis_url):
+    """(data URL on the flushed cluster, control URL on the flushed plain Redis for rq)."""
+    redis_cluster.flush()
+    return redis_cluster.url, redis_url

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -56,3 +57,37 @@ def test_admission_blocks_until_samples_are_consumed(r, run_name):
     # a dropped group settles its samples too
     r.hset(keys.stats, "groups_dropped", 2)
     assert adm.in_flight() == (0, 16)
+
+
+class _CrashAfter(Exception):
+    pass
+
+
+def test_sharded_producer_stopped_between_shards_resumes_each_shard(r, run_name):
+    """A producer that dies after pushing a batch to some shards and not others: the next one
+    pushes each shard's missing prompts once, and prompt i lands in shard i mod 3."""
+    env = make_env("counter")
+    first = Producer(r, run_name, shards=3, batch_samples=8)  # 4 prompts a batch
+    real, calls = first.scripts.produce, []
+
+    def produce(**kw):
+        calls.append(kw)
+        if len(calls) == 6:  # second batch: shards 0 and 1 pushed, then the crash
+            raise _CrashAfter
+        return real(**kw)
+
+    first.scripts.produce = produce
+    with contextlib.suppress(_CrashAfter):
+        first.from_env(env, 10, 2, seed=4)
+    src = "env:counter:seed=4"
+    assert [int(r.get(Keys(run_name, s).producer(src))) for s in range(3)] == [8, 8, 4]
+    assert first.position(src) == 4  # shard 2 still stands at prompt 4
+    res = Producer(r, run_name, shards=3, batch_samples=8).from_env(env, 10, 2, seed=4)
+    assert res.position == 10
+    seen = []
+    for s in range(3):
+        for _, f in r.xrange(Keys(run_name, s).tasks):
+            task = schema.TASK.decode(f[b"p"])
+            assert int(task.prompt_id.rsplit("-", 1)[1]) % 3 == s
+            seen.append(task.task_id)
+    assert sorted(seen) == sorted(f"counter-s4-{i:07d}:{k}" for i in range(10) for k in range(2))

@@ -1,5 +1,14 @@
-"""Key names of one run. Every key carries the hash tag ``{run}`` so that all keys a Lua
-script touches live in one Redis Cluster slot."""
+"""Key names of one run. Every key carries a hash tag so that all keys a Lua script touches
+live in one Redis Cluster slot.
+
+Shards. A run's streams may be split into N shards (``[streams] shards``) so that it spreads
+over several Redis Cluster nodes. Shard ``s`` of run ``r`` carries the tag ``{r:s}``: its
+streams (tasks, rollouts, scored, groups, dead), its stats, sessions, group-assembly hashes
+and producer positions. A prompt's samples all go to one shard, so every script still touches
+one slot. What belongs to the whole run (config, halt, fault, policy stream, learner progress,
+producer state, policy health) keeps the tag ``{r}``. An unsharded run (N = 1) has no shard
+index and its keys are exactly ``srl:{r}:...``, as they always were.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +20,24 @@ from streamrl.defaults import KEY_PREFIX
 @dataclass(frozen=True)
 class Keys:
     run: str
+    shard: int | None = None  # None: the run's own keys (and those of an unsharded run)
+
+    @property
+    def tag(self) -> str:
+        return self.run if self.shard is None else f"{self.run}:{self.shard}"
 
     def key(self, *parts: str) -> str:
+        """A key of this shard (of the run itself when unsharded)."""
+        return ":".join((KEY_PREFIX, "{" + self.tag + "}", *parts))
+
+    def run_key(self, *parts: str) -> str:
+        """A key of the whole run, whichever shard asks."""
         return ":".join((KEY_PREFIX, "{" + self.run + "}", *parts))
+
+    @property
+    def label(self) -> str:
+        """How status and replay name this shard: ``"0"``, ``"1"``, ...; ``""`` unsharded."""
+        return "" if self.shard is None else str(self.shard)
 
     # streams
     @property
@@ -34,7 +58,7 @@ class Keys:
 
     @property
     def policy(self) -> str:
-        return self.key("policy")
+        return self.run_key("policy")
 
     @property
     def dead(self) -> str:
@@ -43,12 +67,12 @@ class Keys:
     # keys
     @property
     def config(self) -> str:
-        return self.key("config")
+        return self.run_key("config")
 
     @property
     def halt(self) -> str:
         """Set to ask every lease of the run to end now (a clean shutdown)."""
-        return self.key("halt")
+        return self.run_key("halt")
 
     @property
     def stats(self) -> str:
@@ -57,19 +81,19 @@ class Keys:
     @property
     def learner(self) -> str:
         """Hash with the learner's progress: step, policy version, groups consumed and dropped."""
-        return self.key("learner")
+        return self.run_key("learner")
 
     @property
     def policy_health(self) -> str:
         """Hash: rollout worker name -> ``WorkerPolicy`` (the version it serves, its last
         reload error), rewritten on every heartbeat of the worker's lease."""
-        return self.key("policy_health")
+        return self.run_key("policy_health")
 
     @property
     def fault(self) -> str:
         """A one-line reason why the run cannot make progress (a rollout worker stuck on an old
         policy); the learner and ``streamrl demo`` stop with it."""
-        return self.key("fault")
+        return self.run_key("fault")
 
     def session(self, task_id: str) -> str:
         return self.key("session", task_id)
@@ -83,8 +107,30 @@ class Keys:
     @property
     def producer_state(self) -> str:
         """Hash with the producer's gate: running or waiting, why, since when, its figures."""
-        return self.key("producer_state")
+        return self.run_key("producer_state")
 
     @property
     def data_streams(self) -> tuple[str, ...]:
         return (self.tasks, self.rollouts, self.scored, self.groups, self.policy, self.dead)
+
+
+def id_order(entry_id: bytes | str) -> tuple[int, int]:
+    """A stream entry ID as a sortable pair (ms, seq)."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def shard_keys(run: str, shards: int = 1) -> list[Keys]:
+    """The keys of each shard of a run: ``[Keys(run)]`` when unsharded."""
+    if shards < 1:
+        raise ValueError(f"shards must be at least 1, got {shards}")
+    if shards == 1:
+        return [Keys(run)]
+    return [Keys(run, s) for s in range(shards)]
+
+
+def shard_of(index: int, shards: int) -> int:
+    """The shard of a run's ``index``-th prompt: round robin, so shards fill evenly and a
+    restarted producer sends every prompt where it sent it before."""
+    return index % shards

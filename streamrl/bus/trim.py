@@ -7,20 +7,21 @@ import time
 
 import redis
 
-from streamrl.bus.keys import Keys
+from streamrl.bus.shards import run_shards
 from streamrl.bus.streams import Scripts, stage_groups
 from streamrl.defaults import DEAD_CONSUMER_IDLE_MS, RETENTION_MS
 
 
 def trim_run(r: redis.Redis, run: str, retention_ms: int = RETENTION_MS) -> dict[str, int]:
-    keys = Keys(run)
+    """Trim every stream of every shard of the run."""
     scripts = Scripts(r)
     now_ms = int(time.time() * 1000)
     out = {}
-    for stream in keys.data_streams:
-        if stream == keys.policy:
-            continue  # policy history is small and is what backends reload from
-        out[stream] = scripts.trim(keys=[stream], args=[retention_ms, now_ms])
+    for keys in run_shards(r, run):
+        for stream in keys.data_streams:
+            if stream == keys.policy:
+                continue  # policy history is small and is what backends reload from
+            out[stream] = scripts.trim(keys=[stream], args=[retention_ms, now_ms])
     return out
 
 
@@ -30,7 +31,8 @@ def forget_idle_consumers(r: redis.Redis, run: str, idle_ms: int = DEAD_CONSUMER
     no pending entries owns nothing, and a live one that was only idle is re-created by its
     next XREADGROUP."""
     removed = 0
-    for stream, group in stage_groups(Keys(run)):
+    pairs = [pair for keys in run_shards(r, run) for pair in stage_groups(keys)]
+    for stream, group in pairs:
         try:
             consumers = r.xinfo_consumers(stream, group)
         except redis.ResponseError:

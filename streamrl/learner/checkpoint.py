@@ -69,11 +69,14 @@ class Counters(msgspec.Struct, kw_only=True):
 
 class LearnerState(msgspec.Struct, kw_only=True):
     """Everything besides tensors that a restart needs. ``last_id``: the newest ``groups``
-    entry whose effect (applied or dropped) is in the weights; entries up to it are acked."""
+    entry whose effect (applied or dropped) is in the weights; entries up to it are acked.
+    ``last_ids``: the same per shard, for a sharded run."""
 
     step: int = 0
     policy_version: int = 0
     last_id: str = "0-0"
+    # a sharded run: per shard (its index as a string), the newest covered entry
+    last_ids: dict[str, str] = msgspec.field(default_factory=dict)
     counters: Counters = msgspec.field(default_factory=Counters)
     reward_mean: float = 0.0
     loss: float = 0.0

@@ -16,6 +16,14 @@ Faults. When the run's fault key is set (a rollout worker stuck on an old policy
 ``streamrl.health``), the learner checkpoints what it has and stops with ``RunFaulted``: one
 line with the reason, exit status 1 from ``streamrl learn``.
 
+Shards. A sharded run (``[streams] shards``) has one ``groups`` stream per shard; the learner
+reads all of them, a shard at a time in turn, and every entry is known by (shard, id). The
+checkpoint records the newest covered entry of each shard (``last_ids``), acks go to each
+entry's own shard, and a restart re-reads each shard's pending entries, skipping what its
+shard's ``last_ids`` covers: every group still affects the weights exactly once. (The order
+of entries from different shards depends on arrival, so a restarted sharded learner is
+exactly-once but not bitwise-equal to an uninterrupted one.)
+
 A step's decisions are all taken when its batch completes: the entries read since the
 previous step (accepted or dropped) are folded into the state together, so a checkpoint
 never covers an accepted group that is still waiting for its batch.
@@ -40,10 +48,10 @@ import torch
 from click.core import ParameterSource
 
 from streamrl import health, schema
-from streamrl.bus.keys import Keys
+from streamrl.bus.keys import Keys, shard_keys
 from streamrl.bus.streams import ensure_groups
 from streamrl.connection import check_url, connect, redact, resolve_url
-from streamrl.defaults import DEFAULT_RUN, LEARNER_GROUP, RUN_DIR
+from streamrl.defaults import DEFAULT_RUN, LEARNER_GROUP, RUN_DIR, SHARD_BLOCK_MS
 from streamrl.learner import publish
 from streamrl.learner._failpoints import failpoint
 from streamrl.learner.batch import has_tokens, is_zero_variance, make_batch, staleness
@@ -79,11 +87,14 @@ def _s(b: bytes | str) -> str:
     return b.decode() if isinstance(b, bytes) else b
 
 
+Ref = tuple[int, str]  # (shard index, entry id): one entry of one shard's groups stream
+
+
 @dataclass
 class Window:
     """Entries read since the last step: what the next step will commit."""
 
-    ids: list[str] = field(default_factory=list)
+    ids: list[Ref] = field(default_factory=list)
     groups: list[schema.Group] = field(default_factory=list)
     counters: Counters = field(default_factory=Counters)
 
@@ -100,49 +111,89 @@ class Learner:
     ref_model: torch.nn.Module | None
     state: LearnerState
     window: Window = field(default_factory=Window)
-    unacked: list[str] = field(default_factory=list)
+    unacked: list[Ref] = field(default_factory=list)
     last: StepStats | None = None
-    last_taken: str = "0-0"  # the newest entry id handed to take()
     group_size: int = 0  # from the run config; sets the admission limit the producer obeys
+    shards: list[Keys] = field(default_factory=list)  # every shard's keys; [keys] unsharded
+    last_taken: dict[int, str] = field(default_factory=dict)  # per shard: newest id taken
+    _turn: int = 0  # the shard read first next time (round robin)
+
+    def __post_init__(self) -> None:
+        if not self.shards:
+            self.shards = [self.keys]
 
     @property
     def consumer(self) -> str:
         return self.cfg.consumer
 
+    @property
+    def sharded(self) -> bool:
+        return len(self.shards) > 1
+
+    def covered(self, shard: int) -> str:
+        """The newest entry of ``shard`` whose effect the checkpointed state holds."""
+        if not self.sharded:
+            return self.state.last_id
+        return self.state.last_ids.get(self.shards[shard].label, "0-0")
+
     # -- reading
-    def read(self, start: str, block_ms: int | None) -> list[tuple[str, dict]]:
+    def read_shard(self, shard: int, start: str, block_ms: int | None) -> list[tuple]:
         resp = self.r.xreadgroup(
             LEARNER_GROUP,
             self.consumer,
-            {self.keys.groups: start},
+            {self.shards[shard].groups: start},
             count=self.cfg.read_count,
             block=block_ms,
         )
-        return [(_s(eid), fields) for _stream, entries in resp or () for eid, fields in entries]
+        return [
+            (shard, _s(eid), fields) for _stream, entries in resp or () for eid, fields in entries
+        ]
 
-    def read_pending(self) -> list[tuple[str, dict]]:
-        """This consumer's delivered-but-unacked entries, oldest first."""
-        out: list[tuple[str, dict]] = []
-        start = "0"
-        while True:
-            rows = self.read(start, None)
-            if not rows:
-                return out
-            out.extend(rows)
-            start = rows[-1][0]
+    def read(self, start: str, block_ms: int | None) -> list[tuple]:
+        """New entries, (shard, id, fields). Several shards are read in turn without
+        blocking; only when all are empty does the learner block, on one shard and for at
+        most ``SHARD_BLOCK_MS``, so no shard waits long behind another."""
+        if not self.sharded:
+            return self.read_shard(0, start, block_ms)
+        n = len(self.shards)
+        for j in range(n):
+            shard = (self._turn + j) % n
+            rows = self.read_shard(shard, start, None)
+            if rows:
+                self._turn = (shard + 1) % n
+                return rows
+        shard, self._turn = self._turn, (self._turn + 1) % n
+        block = block_ms if block_ms is None else min(block_ms, SHARD_BLOCK_MS)
+        return self.read_shard(shard, start, block)
 
-    def read_lost(self) -> list[tuple[str, dict]]:
+    def read_pending(self) -> list[tuple]:
+        """This consumer's delivered-but-unacked entries, oldest first in each shard."""
+        out: list[tuple] = []
+        for shard in range(len(self.shards)):
+            start = "0"
+            while True:
+                rows = self.read_shard(shard, start, None)
+                if not rows:
+                    break
+                out.extend(rows)
+                start = rows[-1][1]
+        return out
+
+    def read_lost(self) -> list[tuple]:
         """Entries delivered to us that we never saw. redis-py re-sends a command after a
         dropped connection (a Redis restart); if the first XREADGROUP had been served, its
         entries sit in our pending list, newer than anything taken, until we read them."""
-        return self.read(self.last_taken, None)
+        out: list[tuple] = []
+        for shard in range(len(self.shards)):
+            out += self.read_shard(shard, self.last_taken.get(shard, "0-0"), None)
+        return out
 
     # -- one entry
-    def take(self, entry_id: str, fields: dict | None) -> None:
+    def take(self, shard: int, entry_id: str, fields: dict | None) -> None:
         """Decide about one entry: accept into the batch, or drop and count."""
         w = self.window
-        self.last_taken = entry_id
-        w.ids.append(entry_id)
+        self.last_taken[shard] = entry_id
+        w.ids.append((shard, entry_id))
         w.counters.groups_consumed += 1
         try:
             group = schema.check_version(schema.GROUP.decode((fields or {})[b"p"]))
@@ -181,7 +232,11 @@ class Learner:
         w.counters.is_tokens += stats.is_tokens
         w.counters.is_clipped += stats.is_clipped
         st.counters.add(w.counters)
-        st.last_id = w.ids[-1]
+        if self.sharded:
+            for shard, entry_id in w.ids:  # in each shard, ids were taken in order
+                st.last_ids[self.shards[shard].label] = entry_id
+        else:
+            st.last_id = w.ids[-1][1]
         st.step += 1
         st.reward_mean = stats.reward_mean
         st.loss = stats.loss
@@ -229,9 +284,11 @@ class Learner:
         self.unacked = []
         log.info("checkpoint", step=st.step, path=str(path), last_id=st.last_id)
 
-    def ack(self, ids: list[str]) -> None:
-        for i in range(0, len(ids), 1000):
-            self.r.xack(self.keys.groups, LEARNER_GROUP, *ids[i : i + 1000])
+    def ack(self, refs: list[Ref]) -> None:
+        for shard in sorted({s for s, _ in refs}):
+            ids = [i for s, i in refs if s == shard]
+            for j in range(0, len(ids), 1000):
+                self.r.xack(self.shards[shard].groups, LEARNER_GROUP, *ids[j : j + 1000])
 
     def report(self, status: str = "running") -> None:
         """Progress for ``streamrl status``: committed counters plus the open window."""
@@ -248,6 +305,7 @@ class Learner:
             "is_clipped_fraction": round(c.is_clipped / max(1, c.is_tokens), 4),
             "waiting_groups": len(self.window.groups),
             "last_id": st.last_id,
+            "shards": len(self.shards),
             "last_checkpoint_step": st.checkpoint_step,
             "last_checkpoint_time": st.checkpoint_time,
             "reward_mean": st.reward_mean,
@@ -261,6 +319,8 @@ class Learner:
         fields["entropy_coef"] = round(coef, 6)
         for reason, frac in c.drop_fractions().items():
             fields[f"dropped_fraction_{reason}"] = frac
+        if self.sharded:
+            fields["last_ids"] = msgspec.json.encode(st.last_ids).decode()
         if self.group_size:
             # admission control: rollouts may run (max_staleness + 1) batches ahead, no more
             batch = self.cfg.batch_groups * self.group_size
@@ -269,6 +329,19 @@ class Learner:
 
     def done(self) -> bool:
         return bool(self.cfg.total_steps) and self.state.step >= self.cfg.total_steps
+
+
+def _shards(r: redis.Redis, run: str, shards: int | None) -> list[Keys]:
+    """The run's shards: its stored config's count, else ``shards``, else 1."""
+    stored = read_config(r.get(Keys(run).config))
+    if stored is not None:
+        if shards is not None and shards != stored.streams.shards:
+            raise ValueError(
+                f"run {run!r} has {stored.streams.shards} shards, but the learner was told "
+                f"{shards}: [streams] shards must match the producer's"
+            )
+        return shard_keys(run, stored.streams.shards)
+    return shard_keys(run, shards or 1)
 
 
 def _stop_on_signals(stop: threading.Event) -> None:
@@ -285,11 +358,14 @@ def run_learner(
     *,
     exit_when_idle: float | None = None,
     stop: threading.Event | None = None,
+    shards: int | None = None,
 ) -> LearnerState:
     """Train until ``total_steps`` (if set), until ``stop`` is set (SIGTERM/SIGINT set it in
     the main thread), or until no group arrived for ``exit_when_idle`` seconds. Returns the
     final state; the last step is checkpointed and acked on the way out. Raises
-    ``health.RunFaulted`` (after that checkpoint) when the run's fault key is set."""
+    ``health.RunFaulted`` (after that checkpoint) when the run's fault key is set.
+    ``shards``: the run's shard count when no producer has stored its config yet (else the
+    stored config's, which must agree)."""
     cfg = config
     stop = stop or threading.Event()
     _stop_on_signals(stop)
@@ -301,7 +377,9 @@ def run_learner(
     r = connect(url, resilient=True)
     keys = Keys(run)
     health.check_fault(r, keys)  # before loading anything
-    ensure_groups(r, keys)
+    shard_list = _shards(r, run, shards)
+    for one in shard_list:
+        ensure_groups(r, one)
 
     model, tokenizer, device = load_model(cfg)
     ref_model = None
@@ -312,7 +390,9 @@ def run_learner(
     clean_temporaries(ckpt_dir)
     path = latest_checkpoint(ckpt_dir)
     state = restore_checkpoint(path, model, optimizer) if path else LearnerState()
-    lrn = Learner(r, keys, cfg, out, model, tokenizer, optimizer, ref_model, state)
+    lrn = Learner(
+        r, keys, cfg, out, model, tokenizer, optimizer, ref_model, state, shards=shard_list
+    )
     run_config = read_config(r.get(keys.config))
     lrn.group_size = run_config.group_size if run_config else 0
     log.info("learner started", step=state.step, restored=str(path) if path else None)
@@ -320,12 +400,11 @@ def run_learner(
         lrn.publish()  # v0: the initial weights, so every backend starts from the same thing
 
     # Entries delivered to us before a crash: skip what the checkpoint covers, redo the rest.
-    covered = id_key(state.last_id)
-    for entry_id, fields in lrn.read_pending():
-        if id_key(entry_id) <= covered:
-            lrn.ack([entry_id])
+    for shard, entry_id, fields in lrn.read_pending():
+        if id_key(entry_id) <= id_key(lrn.covered(shard)):
+            lrn.ack([(shard, entry_id)])
         elif not lrn.done():
-            lrn.take(entry_id, fields)
+            lrn.take(shard, entry_id, fields)
     lrn.report()
 
     idle_since = time.monotonic()
@@ -337,10 +416,10 @@ def run_learner(
         rows = lrn.read(">", cfg.block_ms) or lrn.read_lost()
         if rows:
             idle_since = time.monotonic()
-        for entry_id, fields in rows:
+        for shard, entry_id, fields in rows:
             if lrn.done():
                 break  # left pending: a later learner with a larger total_steps takes them
-            lrn.take(entry_id, fields)
+            lrn.take(shard, entry_id, fields)
         lrn.report()
         if exit_when_idle is not None and time.monotonic() - idle_since > exit_when_idle:
             break
@@ -408,10 +487,15 @@ def learn_command(
         connect(resolved).ping()
     except redis.RedisError as e:
         raise click.ClickException(redact(f"cannot reach Redis at {resolved}: {e}")) from None
+    with open(config_path, "rb") as f:
+        raw = tomllib.load(f)
     if run is None:
-        with open(config_path, "rb") as f:
-            run = str(tomllib.load(f).get("run", DEFAULT_RUN))
-    state = run_learner(resolved, run, cfg, exit_when_idle=exit_when_idle)
+        run = str(raw.get("run", DEFAULT_RUN))
+    shards = raw.get("streams", {}).get("shards")
+    try:
+        state = run_learner(resolved, run, cfg, exit_when_idle=exit_when_idle, shards=shards)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
     click.echo(msgspec.json.encode(state).decode())
 
 

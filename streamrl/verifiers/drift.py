@@ -14,7 +14,7 @@ from typing import Any
 import redis
 
 from streamrl import schema
-from streamrl.bus.keys import Keys
+from streamrl.bus.shards import run_shards
 from streamrl.envs import Environment, make_env
 from streamrl.pipeline import xrange_all
 from streamrl.workers.verify import VerifyFailure, verify_one
@@ -33,7 +33,8 @@ def drift_report(
         lambda: {"samples": 0, "changed": 0, "failed": 0, "sum_delta": 0.0, "examples": []}
     )
     seen = 0
-    for eid, fields in xrange_all(r, Keys(run).groups):
+    rows_of = (row for k in run_shards(r, run) for row in xrange_all(r, k.groups))
+    for eid, fields in rows_of:
         if start != "-" and eid.decode() < start:
             continue
         group = schema.GROUP.decode(fields[b"p"])

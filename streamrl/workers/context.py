@@ -11,7 +11,7 @@ import redis.asyncio
 
 from streamrl.bus.keys import Keys
 from streamrl.config import RUN_CONFIG, RunConfig
-from streamrl.connection import async_retry
+from streamrl.connection import ENV_DATA_URL, async_retry, connect, connect_async, is_cluster
 from streamrl.defaults import RUNS_KEY, SOCKET_TIMEOUT_S
 
 _CONN_FIELDS = ("host", "port", "db", "username", "password", "path", "ssl")
@@ -31,7 +31,8 @@ def consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def current_connection() -> redis.Redis:
+def control_connection() -> redis.Redis:
+    """rq's own client (the control Redis) of the job running now."""
     from rq import get_current_job
 
     job = get_current_job()
@@ -40,9 +41,38 @@ def current_connection() -> redis.Redis:
     return job.connection
 
 
-def async_twin(conn: redis.Redis) -> redis.asyncio.Redis:
+_data: dict[str, Any] = {}
+
+
+def data_url(control: redis.Redis) -> str:
+    """The run's data Redis: ``STREAMRL_DATA_URL`` when the worker was given one (a Redis
+    Cluster, or any Redis other than rq's), else rq's own server."""
+    return os.environ.get(ENV_DATA_URL) or url_of(control)
+
+
+def data_connection(control: redis.Redis) -> Any:
+    """A sync client for the run's data: rq's own client unless ``STREAMRL_DATA_URL`` names
+    another Redis (one client per process, reconnecting with backoff)."""
+    url = os.environ.get(ENV_DATA_URL)
+    if not url:
+        return control
+    client = _data.get(url)
+    if client is None:
+        client = _data[url] = connect(url, resilient=True)
+    return client
+
+
+def current_connection() -> Any:
+    """The data client of the job running now (see ``data_connection``)."""
+    return data_connection(control_connection())
+
+
+def async_twin(conn: Any) -> Any:
     """An asyncio client to the same server as a sync one (rq hands jobs a sync client),
     reconnecting with backoff like the rq worker's own client."""
+    url = os.environ.get(ENV_DATA_URL)
+    if url and conn is _data.get(url):
+        return connect_async(url, resilient=True)
     kw: dict[str, Any] = {
         k: v for k, v in conn.connection_pool.connection_kwargs.items() if k in _CONN_FIELDS
     }
@@ -75,7 +105,9 @@ def write_config(r: redis.Redis, config: RunConfig) -> None:
     """Store the run's config and list the run, so idle LeaseWorkers keep leases for it."""
     import msgspec
 
-    pipe = r.pipeline(transaction=True)
+    # one transaction on a plain Redis; a cluster cannot span the two slots, and a run whose
+    # config is written but not yet listed is only picked up by the next write
+    pipe = r.pipeline(transaction=not is_cluster(r))
     pipe.set(Keys(config.run).config, msgspec.msgpack.encode(config))
     pipe.sadd(RUNS_KEY, config.run)
     pipe.execute()

@@ -41,6 +41,7 @@ from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
 from streamrl.bus.keys import Keys
+from streamrl.bus.shards import run_shards
 from streamrl.connection import make_resilient
 from streamrl.defaults import (
     IDLE_CHECK_S,
@@ -50,6 +51,7 @@ from streamrl.defaults import (
     WORKER_TTL_S,
 )
 from streamrl.workers import leases
+from streamrl.workers.context import data_connection
 
 
 def listed_runs(r: redis.Redis) -> list[str]:
@@ -73,17 +75,20 @@ def listed_runs(r: redis.Redis) -> list[str]:
     return out
 
 
-def ensure_leases(r: redis.Redis, queue_names: list[str]) -> int:
-    """Queue a lease for every listed run that has work on each of these queues and no lease
-    waiting there."""
+def ensure_leases(r: redis.Redis, queue_names: list[str], data: object = None) -> int:
+    """Queue a lease on rq's Redis ``r`` for every listed run that has work on each of these
+    queues and no lease waiting there. Runs and their work are read from ``data``, the data
+    Redis (a Redis Cluster, say), when that is another server."""
     names = [q for q in queue_names if q in leases.ROLES]
     if not names:
         return 0
+    d = r if data is None else data
     added = 0
-    for run in listed_runs(r):
-        for name in names:
-            if leases.has_work(r, name, run):
-                added += leases.top_up(r, name, run)
+    for run in listed_runs(d):  # type: ignore[arg-type]
+        for keys in run_shards(d, run):
+            for name in names:
+                if leases.has_work(d, name, run, keys.shard):  # type: ignore[arg-type]
+                    added += leases.top_up(r, name, run, data=data, shard=keys.shard)
     return added
 
 
@@ -96,6 +101,8 @@ class LeaseWorker(Worker):
         for q in self.queues:  # the CLI built these with its -S flag
             q.serializer = self.serializer
         make_resilient(self.connection)
+        # the runs' data Redis when it is not rq's (STREAMRL_DATA_URL: a Redis Cluster)
+        self.data = data_connection(self.connection)
         self.job_monitoring_interval = min(self.job_monitoring_interval, WORKER_HEARTBEAT_S)
         self.worker_ttl = min(self.worker_ttl, WORKER_TTL_S)
         self._failures = 0  # consecutive failed leases run by this worker
@@ -118,7 +125,8 @@ class LeaseWorker(Worker):
         if time.monotonic() < self._ensure_after:
             return
         try:
-            ensure_leases(self.connection, self.queue_names())
+            data = None if self.data is self.connection else self.data
+            ensure_leases(self.connection, self.queue_names(), data=data)
         except redis.RedisError as e:  # Redis is down: rq's own loop reconnects with backoff
             self.log.warning("Worker %s: could not ensure leases: %s", self.name, e)
 

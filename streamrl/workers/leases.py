@@ -63,16 +63,30 @@ def lease_timeout(r: redis.Redis, name: str, run: str, seconds: float | None = N
     return int(lease_s + drain_s + LEASE_JOB_TIMEOUT_GRACE)
 
 
-def enqueue(r: redis.Redis, name: str, run: str, seconds: float | None = None) -> None:
+def enqueue(
+    r: redis.Redis,
+    name: str,
+    run: str,
+    seconds: float | None = None,
+    data: object = None,
+    shard: int | None = None,
+) -> None:
+    """Queue one lease on rq's Redis ``r``; ``data`` is the run's data Redis when that is
+    another server (a Redis Cluster). A lease of a sharded run consumes one ``shard``."""
+    args: tuple = (run, seconds) if shard is None else (run, seconds, shard)
+    where = "" if shard is None else f" shard {shard}"
     queue(r, name).enqueue(
         ROLES[name],
-        run,
-        seconds,
-        job_timeout=lease_timeout(r, name, run, seconds),
+        *args,
+        job_timeout=lease_timeout(data if data is not None else r, name, run, seconds),
         result_ttl=300,
         failure_ttl=24 * 3600,
-        description=f"{name} lease for run {run!r}",
+        description=f"{name} lease for run {run!r}{where}",
     )
+
+
+def _shard_of_job(job: Job) -> int | None:
+    return job.args[2] if len(job.args) > 2 else None
 
 
 def top_up(
@@ -82,36 +96,67 @@ def top_up(
     waiting: int = 1,
     seconds: float | None = None,
     at_most_every_s: float = 0.0,
+    data: object = None,
+    shard: int | None = None,
 ) -> int:
-    """Keep ``waiting`` lease jobs queued. Two leases racing here may both enqueue; a spare
-    lease only means a worker picks it up a little early, so no lock is taken.
+    """Keep ``waiting`` lease jobs queued on rq's Redis ``r`` (``data``: the run's data Redis
+    when it is another server), for one ``shard`` of a sharded run. Two leases racing here may
+    both enqueue; a spare lease only means a worker picks it up a little early, so no lock is taken.
     ``at_most_every_s`` rate-limits a lease that tops up as it starts, so a lease that keeps
     crashing right after its start cannot spin its workers."""
     if at_most_every_s > 0:
-        gate = f"srl:{{{run}}}:topup:{name}"
+        gate = f"srl:{{{run}}}:topup:{name}" + ("" if shard is None else f":{shard}")
         if not r.set(gate, 1, nx=True, px=int(at_most_every_s * 1000)):
             return 0
     q = queue(r, name)
-    queued = sum(1 for job in q.get_jobs() if job.args and job.args[0] == run)
+    queued = sum(
+        1 for job in q.get_jobs() if job.args and job.args[0] == run and _shard_of_job(job) == shard
+    )
     missing = max(0, waiting - queued)
     for _ in range(missing):
-        enqueue(r, name, run, seconds)
+        enqueue(r, name, run, seconds, data=data, shard=shard)
     return missing
 
 
-def top_up_if_work(r: redis.Redis, name: str, run: str, at_most_every_s: float = 0.0) -> int:
+def top_up_shards(
+    r: redis.Redis,
+    name: str,
+    run: str,
+    waiting: int = 1,
+    seconds: float | None = None,
+    data: object = None,
+) -> int:
+    """``top_up`` for every shard of the run (once when unsharded)."""
+    from streamrl.bus.shards import run_shards
+
+    return sum(
+        top_up(r, name, run, waiting, seconds, data=data, shard=keys.shard)
+        for keys in run_shards(data if data is not None else r, run)
+    )
+
+
+def top_up_if_work(
+    r: redis.Redis,
+    name: str,
+    run: str,
+    at_most_every_s: float = 0.0,
+    control: redis.Redis | None = None,
+    shard: int | None = None,
+) -> int:
     """``top_up`` for a run that is not halted and still has work on this queue. Leases call it
     as they start (so a second worker finds a lease while the first is busy) and as they end;
     a run with nothing left gets no successor, so an idle run does not keep a chain of empty
     leases turning (idle ``LeaseWorker``s queue one again when work arrives)."""
     from streamrl.bus.keys import Keys
 
-    if r.exists(Keys(run).halt) or not has_work(r, name, run):
+    if r.exists(Keys(run).halt) or not has_work(r, name, run, shard):
         return 0
-    return top_up(r, name, run, at_most_every_s=at_most_every_s)
+    if control is None or control is r:
+        return top_up(r, name, run, at_most_every_s=at_most_every_s, shard=shard)
+    return top_up(control, name, run, at_most_every_s=at_most_every_s, data=r, shard=shard)
 
 
-def has_work(r: redis.Redis, name: str, run: str) -> bool:
+def has_work(r: redis.Redis, name: str, run: str, shard: int | None = None) -> bool:
     """Whether the stream this queue's leases read has entries not yet delivered, or entries
     delivered and not yet acked (held by a live lease, or left by a dead one to reclaim).
     A run with neither needs no lease: leases for idle runs would only take turns on the
@@ -120,7 +165,7 @@ def has_work(r: redis.Redis, name: str, run: str) -> bool:
     from streamrl.bus.keys import Keys
     from streamrl.defaults import ROLLOUT_GROUP, VERIFY_GROUP
 
-    keys = Keys(run)
+    keys = Keys(run, shard)
     stream, group = {
         "srl-rollout": (keys.tasks, ROLLOUT_GROUP),
         "srl-verify": (keys.rollouts, VERIFY_GROUP),
@@ -187,21 +232,30 @@ def failures(r: redis.Redis, name: str) -> dict:
     return {"failed_leases": len(ids), "last_failure": last}
 
 
-def run_lease(run: str, name: str, stage: str, body: Callable[[redis.Redis], dict]) -> dict:
+def run_lease(
+    run: str,
+    name: str,
+    stage: str,
+    body: Callable[[redis.Redis], dict],
+    shard: int | None = None,
+) -> dict:
     """What every lease job does around its work: stop at once when the run is halted, log
     with the run and worker bound, and queue a successor when done (not when halted)."""
     import structlog
 
     from streamrl.bus.keys import Keys
     from streamrl.log import configure
-    from streamrl.workers.context import consumer_name, current_connection
+    from streamrl.workers.context import consumer_name, control_connection, data_connection
 
-    conn = current_connection()
+    control = control_connection()
+    conn = data_connection(control)
     halt = Keys(run).halt
     if conn.exists(halt):
         return {"halted": True}
     configure()
     structlog.contextvars.bind_contextvars(run=run, worker=consumer_name(), stage=stage)
+    if shard is not None:
+        structlog.contextvars.bind_contextvars(shard=shard)
     counts = body(conn)
-    top_up_if_work(conn, name, run)
+    top_up_if_work(conn, name, run, control=control, shard=shard)
     return counts

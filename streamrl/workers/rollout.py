@@ -47,8 +47,9 @@ from streamrl.workers.batcher import Batcher
 from streamrl.workers.context import (
     async_twin,
     consumer_name,
+    control_connection,
+    data_url,
     read_config,
-    url_of,
 )
 from streamrl.workers.episode import LostClaim, finish, new_session, run_episode
 
@@ -64,11 +65,12 @@ class RolloutLease:
         seconds: float | None = None,
         on_ready: Any = None,
         url: str | None = None,
+        shard: int | None = None,
     ):
         self.on_ready = on_ready
         self.url = url
         self.r = r
-        self.keys = Keys(run)
+        self.keys = Keys(run, shard)  # this lease's shard; run-wide keys keep the run's tag
         self.run_name = run
         self.consumer = consumer
         self.seconds = seconds
@@ -377,18 +379,27 @@ class RolloutLease:
             task.cancel()
 
 
-def lease(run: str, seconds: float | None = None) -> dict[str, Any]:
-    """The rq job: consume tasks for one lease, then hand the worker back to rq."""
+def lease(run: str, seconds: float | None = None, shard: int | None = None) -> dict[str, Any]:
+    """The rq job: consume tasks (of one shard of a sharded run) for one lease, then hand the
+    worker back to rq."""
     return leases.run_lease(
-        run, ROLLOUT_QUEUE, "rollout", lambda conn: asyncio.run(_lease(conn, run, seconds))
+        run,
+        ROLLOUT_QUEUE,
+        "rollout",
+        lambda conn: asyncio.run(_lease(conn, run, seconds, shard)),
+        shard=shard,
     )
 
 
-async def _lease(conn: Any, run: str, seconds: float | None) -> dict[str, Any]:
+async def _lease(conn: Any, run: str, seconds: float | None, shard: int | None) -> dict[str, Any]:
     r = async_twin(conn)
+    control = control_connection()
     try:
-        ready = lambda: leases.top_up_if_work(conn, ROLLOUT_QUEUE, run, at_most_every_s=1.0)  # noqa: E731
-        lease = RolloutLease(r, run, consumer_name(), seconds, on_ready=ready, url=url_of(conn))
+        ready = lambda: leases.top_up_if_work(  # noqa: E731
+            conn, ROLLOUT_QUEUE, run, at_most_every_s=1.0, control=control, shard=shard
+        )
+        url = data_url(control)
+        lease = RolloutLease(r, run, consumer_name(), seconds, on_ready=ready, url=url, shard=shard)
         return await lease.run()
     finally:
         await r.aclose()

@@ -34,7 +34,7 @@ from streamrl.defaults import GROUP_DONE_TTL_S, SCHEMA_VERSION, VERIFY_GROUP, VE
 from streamrl.envs import Environment, make_env
 from streamrl.verifiers.deadline import VerifierTimeout, deadline
 from streamrl.workers import leases
-from streamrl.workers.context import consumer_name, read_config
+from streamrl.workers.context import consumer_name, control_connection, read_config
 
 log = structlog.get_logger("streamrl.verify")
 
@@ -79,9 +79,18 @@ def verify_one(
 
 
 class VerifyLease:
-    def __init__(self, r: redis.Redis, run: str, consumer: str, seconds: float | None = None):
+    def __init__(
+        self,
+        r: redis.Redis,
+        run: str,
+        consumer: str,
+        seconds: float | None = None,
+        control: redis.Redis | None = None,
+        shard: int | None = None,
+    ):
         self.r = r
-        self.keys = Keys(run)
+        self.control = control  # rq's Redis, when the run's data lives elsewhere
+        self.keys = Keys(run, shard)  # this lease's shard; run-wide keys keep the run's tag
         self.run_name = run
         self.consumer = consumer
         self.seconds = seconds
@@ -222,7 +231,14 @@ class VerifyLease:
         if cfg is None:
             return self.counts
         self.config = cfg
-        leases.top_up_if_work(self.r, VERIFY_QUEUE, self.run_name, at_most_every_s=1.0)
+        leases.top_up_if_work(
+            self.r,
+            VERIFY_QUEUE,
+            self.run_name,
+            at_most_every_s=1.0,
+            control=self.control,
+            shard=self.keys.shard,
+        )
         vc = cfg.verify
         end = started + (self.seconds if self.seconds is not None else vc.lease_seconds)
         self.r.xgroup_createconsumer(self.keys.rollouts, VERIFY_GROUP, self.consumer)
@@ -249,11 +265,15 @@ class VerifyLease:
         return self.counts
 
 
-def lease(run: str, seconds: float | None = None) -> dict[str, Any]:
-    """The rq job: verify for one lease, then hand the worker back to rq."""
+def lease(run: str, seconds: float | None = None, shard: int | None = None) -> dict[str, Any]:
+    """The rq job: verify (one shard of a sharded run) for one lease, then hand the worker
+    back to rq."""
     return leases.run_lease(
         run,
         VERIFY_QUEUE,
         "verify",
-        lambda conn: VerifyLease(conn, run, consumer_name(), seconds).run(),
+        lambda conn: VerifyLease(
+            conn, run, consumer_name(), seconds, control=control_connection(), shard=shard
+        ).run(),
+        shard=shard,
     )

@@ -20,6 +20,11 @@ def _sessions(p) -> int:
 def test_killed_rollout_worker_episodes_resume_at_committed_turn(
     redis_url, subprocess_env, tmp_path
 ):
+    killed_rollout_worker_resumes(redis_url, None, subprocess_env, tmp_path)
+
+
+def killed_rollout_worker_resumes(url, control_url, subprocess_env, tmp_path, **config) -> None:
+    """The rollout chaos check on any Redis (``url``, rq on ``control_url`` when given)."""
     cfg = RunConfig(
         run="chaos-rollout",
         env="counter",
@@ -28,8 +33,11 @@ def test_killed_rollout_worker_episodes_resume_at_committed_turn(
         policy=PolicyConfig(latency_s=0.4),
         rollout=RolloutConfig(lease_seconds=60),
         streams=FAST_RECLAIM,
+        **config,
     )
-    with LocalPipeline(cfg, url=redis_url, directory=tmp_path, worker_env=subprocess_env) as p:
+    with LocalPipeline(
+        cfg, url=url, control_url=control_url, directory=tmp_path, worker_env=subprocess_env
+    ) as p:
         victim, _verifier = p.start_workers(rollout=1, verify=1)
         p.wait_ready(1, 1)
         victim_name = p.procs.procs[0][0]
