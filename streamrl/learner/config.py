@@ -78,6 +78,9 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     read_count: int = 64
     consumer: str = d.LEARNER_GROUP  # stable across restarts: its pending entries are ours
 
+    # -- data parallel (torchrun): how long any collective may wait for a silent rank
+    dist_timeout_s: float = d.DIST_TIMEOUT_S
+
     def __post_init__(self) -> None:
         checks = [
             (self.loss_type in LOSS_TYPES, f"loss_type must be one of {LOSS_TYPES}"),
@@ -100,6 +103,7 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             (0 < self.block_ms <= 5000, "block_ms must be in (0, 5000]"),
             (self.temperature > 0, "temperature must be > 0"),
             (self.entropy_coef >= 0, "entropy_coef must be >= 0"),
+            (self.dist_timeout_s > self.block_ms / 1000, "dist_timeout_s must exceed block_ms"),
         ]
         for ok, message in checks:
             if not ok:
