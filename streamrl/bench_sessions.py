@@ -143,6 +143,7 @@ def sessions_bench(
         every = [p.server.proc.pid] + [proc.pid for _, proc in p.procs.procs]
         p.r.config_resetstat()
         cpu0 = tree_cpu(every) + self_cpu()
+        redis0 = tree_cpu(every[:1])
         t0 = time.perf_counter()
         Producer(p.r, cfg.run).from_env(env, prompts, group_size, seed=0)
         used_tasks = p.r.info("memory")["used_memory"]
@@ -154,6 +155,7 @@ def sessions_bench(
         p.wait_groups(prompts, timeout=timeout_s)
         elapsed = time.perf_counter() - t0
         cpu = tree_cpu(every) + self_cpu() - cpu0
+        redis_cpu = tree_cpu(every[:1]) - redis0
         sampler.stop.set()
         sampler.join()
         peak = sampler.peak
@@ -185,6 +187,7 @@ def sessions_bench(
         "trajectories_per_s": round(n / elapsed, 1),
         "redis_commands_per_trajectory": round(calls / n, 2),
         "cpu_ms_per_trajectory": round(1000 * cpu / n, 3),
+        "redis_cpu_ms_per_trajectory": round(1000 * redis_cpu / n, 3),
         "trajectories": acc.scored,
         "groups": acc.groups,
         "lost": acc.lost,
