@@ -3,7 +3,8 @@ workers -> groups) on a private Redis with the scripted policy, timed from the f
 pushed to the last group written. Prints one JSON object.
 
 CPU is the user+system time of every process involved (this producer, the rq workers and their
-work horses, redis-server) over the timed window, read from /proc.
+work horses, redis-server) over the timed window, read from /proc; ``redis_cpu_ms_per_trajectory``
+is redis-server's share alone (what sizes Redis nodes: one core each).
 """
 
 from __future__ import annotations
@@ -56,12 +57,14 @@ def pipeline_bench(
         roots = [p.server.proc.pid] + [proc.pid for _, proc in p.procs.procs]
         p.r.config_resetstat()
         cpu0 = tree_cpu(roots) + self_cpu()
+        redis0 = tree_cpu(roots[:1])
         t0 = time.perf_counter()
         Producer(p.r, cfg.run).from_env(env, tasks, group_size, seed=0)
         say(f"pushed {tasks} prompts x {group_size} samples")
         p.wait_groups(tasks, timeout=timeout_s)
         elapsed = time.perf_counter() - t0
         cpu = tree_cpu(roots) + self_cpu() - cpu0
+        redis_cpu = tree_cpu(roots[:1]) - redis0
         commands, script_calls = _commands(p.r)
         p.stop()
         acc = p.account(task_ids("counter", 0, tasks, group_size))
@@ -82,6 +85,7 @@ def pipeline_bench(
             "dead_letters": p.r.xlen(p.keys.dead),
             "cpu_seconds": round(cpu, 3),
             "cpu_ms_per_trajectory": round(1000 * cpu / n, 3),
+            "redis_cpu_ms_per_trajectory": round(1000 * redis_cpu / n, 3),
             "redis_commands_per_trajectory": round(commands / n, 2),
             "lua_calls_per_trajectory": round(script_calls / n, 3),
             "cpus": os.cpu_count(),

@@ -543,6 +543,44 @@ def bench_pipeline(tasks, group_size, turns, rollout_workers, verify_workers, as
         sys.exit(1)
 
 
+@bench.command("sessions")
+@click.option(
+    "--sessions",
+    type=click.IntRange(min=1),
+    default=10_000,
+    show_default=True,
+    help="Episodes, all started at once.",
+)
+@click.option("--turns", type=click.IntRange(min=2), default=4, show_default=True)
+@click.option(
+    "--latency",
+    "latency_s",
+    type=click.FloatRange(min=0),
+    default=5.0,
+    show_default=True,
+    help="Seconds the scripted policy takes per turn: how long episodes stay open.",
+)
+@click.option("--rollout-workers", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--verify-workers", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench_sessions(sessions, turns, latency_s, rollout_workers, verify_workers, as_json) -> None:
+    """Hold thousands of multi-turn episodes open at once; report Redis bytes per open session,
+    worker memory per episode and trajectories/s. Exits 1 if anything was lost or doubled."""
+    from streamrl.bench_sessions import sessions_bench
+
+    res = sessions_bench(
+        sessions=sessions,
+        turns=turns,
+        latency_s=latency_s,
+        rollout_workers=rollout_workers,
+        verify_workers=verify_workers,
+        progress=None if as_json else lambda m: click.echo(m, err=True),
+    )
+    click.echo(json.dumps(res) if as_json else json.dumps(res, indent=2))
+    if res["lost"] or res["duplicated"] or res["dead_letters"]:
+        sys.exit(1)
+
+
 @bench.command("chaos")
 @click.option(
     "--kills", type=click.IntRange(min=0), default=20, show_default=True, help="Worker SIGKILLs."

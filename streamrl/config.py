@@ -52,6 +52,9 @@ class RolloutConfig(_Cfg, kw_only=True):
     # A worker serving a policy more than [learner] max_staleness versions behind the newest
     # for this long fails its lease and faults the run (0: never).
     max_policy_lag_s: NonNegative = d.MAX_POLICY_LAG_S
+    # A session key outlives its last committed turn by this long, then expires: what is left
+    # of an abandoned task (its entry trimmed, its run given up) cleans itself up.
+    session_ttl_s: AtLeastOne = d.SESSION_TTL_S
 
 
 class VerifyConfig(_Cfg, kw_only=True):

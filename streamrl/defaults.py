@@ -26,6 +26,11 @@ LEASE_JOB_TIMEOUT_GRACE = 120
 READ_BLOCK_MS = 1000
 SOCKET_TIMEOUT_S = 30.0
 
+# Data-parallel learner: the longest any collective waits for a rank. A dead rank is noticed at
+# once (its sockets close); this bounds a live but stuck one. It must cover rank 0 writing a
+# checkpoint and a policy version while the other ranks wait for the next step.
+DIST_TIMEOUT_S = 600.0
+
 # Reclaiming entries from dead consumers. A live consumer re-touches what it holds every
 # HEARTBEAT_S; anything idle for CLAIM_IDLE_MS is taken over by whoever looks first.
 CLAIM_IDLE_MS = 30_000

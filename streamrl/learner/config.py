@@ -84,6 +84,9 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     read_count: int = 64
     consumer: str = d.LEARNER_GROUP  # stable across restarts: its pending entries are ours
 
+    # -- data parallel (torchrun): how long any collective may wait for a silent rank
+    dist_timeout_s: float = d.DIST_TIMEOUT_S
+
     def __post_init__(self) -> None:
         checks = [
             (self.loss_type in LOSS_TYPES, f"loss_type must be one of {LOSS_TYPES}"),
@@ -112,6 +115,7 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ),
             (self.entropy_coef_step >= 0, "entropy_coef_step must be >= 0"),
             (self.entropy_coef_max >= 0, "entropy_coef_max must be >= 0"),
+            (self.dist_timeout_s > self.block_ms / 1000, "dist_timeout_s must exceed block_ms"),
         ]
         for ok, message in checks:
             if not ok:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 import tomllib
@@ -64,6 +65,7 @@ from streamrl.learner.checkpoint import (
     save_checkpoint,
 )
 from streamrl.learner.config import LearnerConfig, load_learner_config
+from streamrl.learner.distributed import DataParallel, Trainer, follow, launch, world_size, wrap
 from streamrl.learner.losses import adapt_entropy_coef
 from streamrl.learner.model import (
     AdapterDisabled,
@@ -117,6 +119,8 @@ class Learner:
     shards: list[Keys] = field(default_factory=list)  # every shard's keys; [keys] unsharded
     last_taken: dict[int, str] = field(default_factory=dict)  # per shard: newest id taken
     _turn: int = 0  # the shard read first next time (round robin)
+    trainer: Trainer | None = None  # data parallel: rank 0 sends each step to every rank
+    rank_pids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.shards:
@@ -217,11 +221,13 @@ class Learner:
     # -- one optimizer step
     def step(self) -> None:
         w, st, cfg = self.window, self.state, self.cfg
-        batch = make_batch(w.groups, self.tokenizer.pad_token_id, cfg.scale_rewards)
         coef = cfg.entropy_coef if st.entropy_coef is None else st.entropy_coef
-        stats = train_step(
-            self.model, self.optimizer, batch, cfg, st.step, self.ref_model, entropy_coef=coef
-        )
+        step_cfg = msgspec.structs.replace(cfg, entropy_coef=coef)  # this step's coefficient
+        if self.trainer is not None:
+            stats = self.trainer.step(w.groups, self.optimizer, step_cfg, st.step, self.ref_model)
+        else:
+            batch = make_batch(w.groups, self.tokenizer.pad_token_id, cfg.scale_rewards)
+            stats = train_step(self.model, self.optimizer, batch, step_cfg, st.step, self.ref_model)
         if cfg.entropy_target is not None:
             st.entropy_coef = adapt_entropy_coef(
                 coef, stats.entropy, cfg.entropy_target, cfg.entropy_coef_step,
@@ -321,6 +327,9 @@ class Learner:
             fields[f"dropped_fraction_{reason}"] = frac
         if self.sharded:
             fields["last_ids"] = msgspec.json.encode(st.last_ids).decode()
+        if self.rank_pids:
+            fields["ranks"] = len(self.rank_pids)
+            fields["rank_pids"] = ",".join(map(str, self.rank_pids))
         if self.group_size:
             # admission control: rollouts may run (max_staleness + 1) batches ahead, no more
             batch = self.cfg.batch_groups * self.group_size
@@ -368,12 +377,20 @@ def run_learner(
     stored config's, which must agree)."""
     cfg = config
     stop = stop or threading.Event()
-    _stop_on_signals(stop)
+    dp = DataParallel.init(cfg) if world_size() > 1 else None
+    if dp is not None:
+        cfg = msgspec.structs.replace(cfg, device=str(dp.device))
+    if dp is None or dp.leader:
+        _stop_on_signals(stop)  # other ranks die of SIGTERM: rank 0 stops them with a command
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
-    structlog.contextvars.bind_contextvars(run=run, role="learner")
+    structlog.contextvars.bind_contextvars(
+        run=run, role="learner", **({"rank": dp.rank} if dp else {})
+    )
     seed_everything(cfg.seed)
     out = cfg.out_dir(run)
+    if dp is not None and not dp.leader:
+        return _follower(dp, cfg)
     r = connect(url, resilient=True)
     keys = Keys(run)
     health.check_fault(r, keys)  # before loading anything
@@ -389,10 +406,15 @@ def run_learner(
     ckpt_dir = out / "checkpoints"
     clean_temporaries(ckpt_dir)
     path = latest_checkpoint(ckpt_dir)
+    if dp is not None:
+        dp.broadcast_text(str(path) if path else "")  # every rank restores the same one
     state = restore_checkpoint(path, model, optimizer) if path else LearnerState()
     lrn = Learner(
         r, keys, cfg, out, model, tokenizer, optimizer, ref_model, state, shards=shard_list
     )
+    if dp is not None:
+        lrn.trainer = Trainer(dp, wrap(model, dp), tokenizer.pad_token_id)
+        lrn.rank_pids = dp.gather_pids()
     run_config = read_config(r.get(keys.config))
     lrn.group_size = run_config.group_size if run_config else 0
     log.info("learner started", step=state.step, restored=str(path) if path else None)
@@ -421,17 +443,40 @@ def run_learner(
                 break  # left pending: a later learner with a larger total_steps takes them
             lrn.take(shard, entry_id, fields)
         lrn.report()
+        if lrn.trainer is not None:
+            lrn.trainer.heartbeat()  # a dead rank shows up here, even while no group comes
         if exit_when_idle is not None and time.monotonic() - idle_since > exit_when_idle:
             break
 
     if state.step > state.checkpoint_step:
         lrn.checkpoint()
+    if lrn.trainer is not None and dp is not None:
+        lrn.trainer.stop()
+        dp.close()
     lrn.report(status="stopped" if fault is None else "faulted")
     log.info("learner stopped", step=state.step, **msgspec.structs.asdict(state.counters))
     with contextlib.suppress(redis.RedisError):
         r.close()
     if fault is not None:
         raise health.RunFaulted(health.one_line(fault))
+    return state
+
+
+def _follower(dp: DataParallel, cfg: LearnerConfig) -> LearnerState:
+    """Ranks > 0: the same model, optimizer and checkpoint as rank 0, then its steps."""
+    model, tokenizer, device = load_model(cfg)
+    ref_model = None
+    if cfg.beta != 0.0:
+        ref_model = AdapterDisabled(model) if cfg.lora_r > 0 else load_reference(cfg, device)
+    optimizer = make_optimizer(model, cfg)
+    path = dp.broadcast_text(None)
+    state = restore_checkpoint(Path(path), model, optimizer) if path else LearnerState()
+    ddp = wrap(model, dp)
+    dp.gather_pids()
+    log.info("rank started", rank=dp.rank, world=dp.world, restored=path or None)
+    state.step += follow(dp, ddp, optimizer, cfg, tokenizer.pad_token_id, ref_model)
+    log.info("rank stopped", rank=dp.rank, step=state.step)
+    dp.close()
     return state
 
 
@@ -453,6 +498,13 @@ def run_learner(
     default=None,
     help="Exit after this many seconds without a new group (batch jobs, tests).",
 )
+@click.option(
+    "--nproc",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Data-parallel ranks on this machine (runs torchrun; one GPU each when on GPU).",
+)
 def learn_command(
     config_path: str,
     url: str | None,
@@ -462,6 +514,7 @@ def learn_command(
     device: str | None,
     total_steps: int | None,
     exit_when_idle: float | None,
+    nproc: int,
 ) -> None:
     """Train the policy on the run's groups (GRPO family), publish weights, checkpoint."""
     cfg = load_learner_config(
@@ -492,11 +545,24 @@ def learn_command(
     if run is None:
         run = str(raw.get("run", DEFAULT_RUN))
     shards = raw.get("streams", {}).get("shards")
+    if nproc > 1 and world_size() == 1:
+        # the run travels in STREAMRL_RUN: torchrun's parser would take `--run` for its own
+        # `--run-path` (so do that too when calling torchrun by hand)
+        os.environ["STREAMRL_RUN"] = run
+        args = ["--config", config_path, "--redis", resolved]
+        for flag, value in (
+            ("--model", model), ("--output-dir", output_dir), ("--device", device),
+            ("--total-steps", total_steps), ("--exit-when-idle", exit_when_idle),
+        ):  # fmt: skip
+            if value is not None:
+                args += [flag, str(value)]
+        sys.exit(launch(nproc, args))
     try:
         state = run_learner(resolved, run, cfg, exit_when_idle=exit_when_idle, shards=shards)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    click.echo(msgspec.json.encode(state).decode())
+    if int(os.environ.get("RANK", "0")) == 0:
+        click.echo(msgspec.json.encode(state).decode())
 
 
 if __name__ == "__main__":

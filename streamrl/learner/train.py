@@ -42,13 +42,81 @@ class BatchLoss:
     is_clipped: int = 0  # of those, how many had π_old/μ outside [min, max]
 
 
+@dataclass
+class ChunkLoss:
+    value: Tensor  # the chunk's share of the batch loss, with its graph
+    entropy: float  # sum of token entropies over the chunk's completion tokens
+    is_tokens: int = 0
+    is_clipped: int = 0
+
+
+def chunk_loss(
+    model: nn.Module,
+    batch: Batch,
+    rows: slice,
+    cfg: LearnerConfig,
+    ref_model: nn.Module | None = None,
+    num_chunks: int = 1,
+) -> ChunkLoss:
+    """The loss of ``batch[rows]``, normalised by the whole batch so that the chunks' losses
+    sum to the batch loss (see ``batch_loss``)."""
+    device = next(model.parameters()).device
+    ids = batch.input_ids[rows].to(device)
+    attn = batch.attention_mask[rows].to(device)
+    mask = batch.mask[rows].to(device)
+    behaviour = batch.behaviour_logps[rows].to(device)
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+    logps = token_logps(logits, ids[:, 1:], cfg.temperature)
+    if cfg.entropy_coef > 0:
+        entropy = token_entropy(logits, mask, cfg.temperature).sum()
+    else:
+        with torch.no_grad():
+            entropy = token_entropy(logits.detach(), mask, cfg.temperature).sum()
+    old = logps.detach()
+    known = mask.bool() & ~torch.isnan(behaviour)
+    ratio = torch.exp(old - torch.nan_to_num(behaviour))[known]
+    lo, hi = cfg.importance_sampling_min, cfg.importance_sampling_max
+    outside = (ratio > (math.inf if hi is None else hi)) | (ratio < (lo or 0.0))
+    if cfg.clip_against == "behaviour":
+        old = torch.where(torch.isnan(behaviour), old, behaviour)
+    ref = None
+    if cfg.beta != 0.0:
+        if ref_model is None:
+            raise ValueError("beta != 0 needs a reference model")
+        with torch.no_grad():
+            ref = sequence_logps(ref_model, ids, attn, cfg.temperature)
+    loss = policy_loss(
+        logps,
+        old,
+        batch.advantages[rows].to(device),
+        mask,
+        behaviour_logps=behaviour,
+        importance_sampling=cfg.importance_sampling,  # type: ignore[arg-type]
+        importance_sampling_max=cfg.importance_sampling_max,
+        importance_sampling_min=cfg.importance_sampling_min,
+        epsilon_low=cfg.epsilon,
+        epsilon_high=cfg.eps_high,
+        delta=cfg.delta,
+        ref_logps=ref,
+        beta=cfg.beta,
+        kl_bias_correction=cfg.use_bias_correction_kl,
+        loss_type=cfg.loss_type,  # type: ignore[arg-type]
+        max_completion_length=cfg.max_completion_length,
+        num_sequences=batch.num_sequences,
+        num_tokens=float(batch.num_tokens),
+        num_chunks=num_chunks,
+    )
+    if cfg.entropy_coef > 0:
+        loss = loss - cfg.entropy_coef * entropy / max(1, batch.num_tokens)
+    return ChunkLoss(loss, float(entropy.detach()), int(known.sum()), int(outside.sum()))
+
+
 def batch_loss(
     model: nn.Module,
     batch: Batch,
     cfg: LearnerConfig,
     ref_model: nn.Module | None = None,
     backward: bool = True,
-    entropy_coef: float | None = None,
 ) -> BatchLoss:
     """The batch's loss (see ``losses.policy_loss``), computed in chunks of
     ``cfg.micro_batch_size`` sequences whose gradients accumulate into ``.grad``.
@@ -56,8 +124,8 @@ def batch_loss(
     The policy's mean token entropy is measured on every batch (a collapse to a deterministic
     policy shows there first); with ``entropy_coef > 0`` the loss also subtracts
     ``entropy_coef × mean entropy``, which keeps the policy sampling different completions, so
-    its groups keep a reward spread to learn from. ``entropy_coef`` overrides the config's
-    (the adaptive coefficient of this step).
+    its groups keep a reward spread to learn from. (Under adaptive entropy control the learner
+    passes a ``cfg`` carrying this step's coefficient.)
 
     π_old is the model itself, detached (TRL with ``num_iterations=1``): the PPO ratio is 1 in
     value, and the off-policy correction is the importance weight π_θ/μ against the behaviour
@@ -65,65 +133,17 @@ def batch_loss(
     (PPO-style clipping against the sampler, as PipelineRL does); tokens with unknown μ then
     fall back to the detached model.
     """
-    coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
-    device = next(model.parameters()).device
     chunks = batch.chunks(cfg.micro_batch_size)
     total = entropy_sum = 0.0
     is_tokens = is_clipped = 0
     for rows in chunks:
-        ids = batch.input_ids[rows].to(device)
-        attn = batch.attention_mask[rows].to(device)
-        mask = batch.mask[rows].to(device)
-        behaviour = batch.behaviour_logps[rows].to(device)
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        logps = token_logps(logits, ids[:, 1:], cfg.temperature)
-        if coef > 0:
-            entropy = token_entropy(logits, mask, cfg.temperature).sum()
-        else:
-            with torch.no_grad():
-                entropy = token_entropy(logits.detach(), mask, cfg.temperature).sum()
-        entropy_sum += float(entropy.detach())
-        old = logps.detach()
-        known = mask.bool() & ~torch.isnan(behaviour)
-        ratio = torch.exp(old - torch.nan_to_num(behaviour))[known]
-        lo, hi = cfg.importance_sampling_min, cfg.importance_sampling_max
-        outside = (ratio > (math.inf if hi is None else hi)) | (ratio < (lo or 0.0))
-        is_tokens += int(known.sum())
-        is_clipped += int(outside.sum())
-        if cfg.clip_against == "behaviour":
-            old = torch.where(torch.isnan(behaviour), old, behaviour)
-        ref = None
-        if cfg.beta != 0.0:
-            if ref_model is None:
-                raise ValueError("beta != 0 needs a reference model")
-            with torch.no_grad():
-                ref = sequence_logps(ref_model, ids, attn, cfg.temperature)
-        loss = policy_loss(
-            logps,
-            old,
-            batch.advantages[rows].to(device),
-            mask,
-            behaviour_logps=behaviour,
-            importance_sampling=cfg.importance_sampling,  # type: ignore[arg-type]
-            importance_sampling_max=cfg.importance_sampling_max,
-            importance_sampling_min=cfg.importance_sampling_min,
-            epsilon_low=cfg.epsilon,
-            epsilon_high=cfg.eps_high,
-            delta=cfg.delta,
-            ref_logps=ref,
-            beta=cfg.beta,
-            kl_bias_correction=cfg.use_bias_correction_kl,
-            loss_type=cfg.loss_type,  # type: ignore[arg-type]
-            max_completion_length=cfg.max_completion_length,
-            num_sequences=batch.num_sequences,
-            num_tokens=float(batch.num_tokens),
-            num_chunks=len(chunks),
-        )
-        if coef > 0:
-            loss = loss - coef * entropy / max(1, batch.num_tokens)
+        part = chunk_loss(model, batch, rows, cfg, ref_model, len(chunks))
         if backward:
-            loss.backward()
-        total += float(loss.detach())
+            part.value.backward()
+        total += float(part.value.detach())
+        entropy_sum += part.entropy
+        is_tokens += part.is_tokens
+        is_clipped += part.is_clipped
     return BatchLoss(total, entropy_sum / max(1, batch.num_tokens), is_tokens, is_clipped)
 
 
@@ -159,12 +179,30 @@ def train_step(
     cfg: LearnerConfig,
     step: int,
     ref_model: nn.Module | None = None,
-    entropy_coef: float | None = None,
 ) -> StepStats:
     """Zero grads, accumulate the batch's gradient, clip, set the LR for ``step``, update."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    measured = batch_loss(model, batch, cfg, ref_model, entropy_coef=entropy_coef)
+    measured = batch_loss(model, batch, cfg, ref_model)
+    return apply_update(
+        optimizer, batch, cfg, step,
+        loss=measured.loss, entropy=measured.entropy,
+        is_tokens=measured.is_tokens, is_clipped=measured.is_clipped,
+    )  # fmt: skip
+
+
+def apply_update(
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    cfg: LearnerConfig,
+    step: int,
+    *,
+    loss: float,
+    entropy: float,
+    is_tokens: int,
+    is_clipped: int,
+) -> StepStats:
+    """With the batch's gradient in ``.grad``: clip, set the LR for ``step``, update."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if cfg.max_grad_norm > 0:
         norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm, foreach=False))
@@ -178,10 +216,10 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     rewards = batch.rewards
     return StepStats(
-        loss=measured.loss,
-        entropy=measured.entropy,
-        is_tokens=measured.is_tokens,
-        is_clipped=measured.is_clipped,
+        loss=loss,
+        entropy=entropy,
+        is_tokens=is_tokens,
+        is_clipped=is_clipped,
         grad_norm=norm,
         lr=lr,
         tokens=batch.num_tokens,

@@ -38,7 +38,7 @@ from streamrl.bus.streams import (
     parse_read,
 )
 from streamrl.config import RunConfig
-from streamrl.defaults import ROLLOUT_GROUP, ROLLOUT_QUEUE, SESSION_TTL_S
+from streamrl.defaults import ROLLOUT_GROUP, ROLLOUT_QUEUE
 from streamrl.envs import make_env
 from streamrl.policy import PolicyError, make_policy
 from streamrl.policy._versions import latest_version
@@ -89,7 +89,7 @@ class RolloutLease:
     # ---------------------------------------------------------------- Redis calls (batched)
     async def _flush_commits(self, items: list[tuple[Entry, schema.Session]]) -> list[int]:
         keys = [self.keys.tasks] + [self.keys.session(e.task_id) for e, _ in items]
-        args: list[Any] = [ROLLOUT_GROUP, self.consumer, SESSION_TTL_S]
+        args: list[Any] = [ROLLOUT_GROUP, self.consumer, self.config.rollout.session_ttl_s]
         for e, s in items:
             args += [e.id, e.fence, schema.encode(s)]
         return await self.scripts.commit(keys=keys, args=args)

@@ -1,0 +1,267 @@
+"""The data-parallel learner: ``torchrun --nproc-per-node N -m streamrl.cli learn …`` (or
+``streamrl learn --nproc N``, which runs that command for you).
+
+Who reads the stream. **Rank 0 alone** reads ``groups``, decides what to train on (stale,
+zero-variance, invalid: dropped and counted), checkpoints and XACKs, and publishes weights,
+exactly as the single-process learner does; the other ranks never talk to Redis. At each
+optimizer step rank 0 broadcasts the step's groups (their msgpack, a few KB) to every rank;
+every rank lays out the same batch and trains on its contiguous share of the batch's
+sequences; DDP all-reduces the gradients, so every rank applies the same update.
+
+Why not one reader per rank: exactly-once rests on one consumer whose pending list and one
+``last_id`` in the checkpoint say what the weights contain. With a reader per rank the
+checkpoint would need every rank's position, a step would wait for the slowest rank to fill
+its share, and ranks would disagree on staleness drops. Decoding groups on one process costs
+milliseconds per step; the forward/backward it feeds costs seconds.
+
+Equivalence. The loss of a chunk is normalised by the *whole* batch (``num_sequences``,
+``num_tokens``), so the chunk losses of all ranks sum to the single-process batch loss; DDP
+averages gradients over ranks, so each rank scales its loss by the world size. The update is
+the single-process update up to float summation order (``bnpo`` averages over chunks, so
+there, as in TRL, the result depends on how the batch is cut).
+
+Failures. Rank 0 broadcasts a heartbeat on every pass of its read loop, so a dead rank is
+noticed within one ``block_ms`` even while no group arrives, and every collective has a
+timeout (``dist_timeout_s``): no rank waits forever. A failed collective raises, the rank exits
+non-zero and torchrun stops the others. Nothing is lost: only a checkpoint of rank 0 (written
+between steps, when every rank holds the same weights) leads to an XACK, and a restart loads
+that checkpoint on every rank and re-reads rank 0's pending entries. ``output_dir`` must be
+one directory every rank can read (one machine, or a shared filesystem).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from enum import IntEnum
+
+import msgspec
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from streamrl import schema
+from streamrl.learner.batch import Batch, make_batch
+from streamrl.learner.config import LearnerConfig
+from streamrl.learner.train import StepStats, apply_update, chunk_loss
+
+
+class StepPayload(msgspec.Struct, array_like=True):
+    """What rank 0 sends for a step: its groups, and the settings that vary by step (the
+    adaptive entropy coefficient), so that every rank computes the same loss."""
+
+    entropy_coef: float
+    groups: list[schema.Group]
+
+
+_STEP = msgspec.msgpack.Decoder(StepPayload)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+class Command(IntEnum):
+    HEARTBEAT = 0
+    STEP = 1
+    STOP = 2
+
+
+def world_size() -> int:
+    """Processes in the job: torchrun's ``WORLD_SIZE``, 1 outside torchrun."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@dataclass
+class DataParallel:
+    """This process's place in the job, and the collectives the learner needs."""
+
+    rank: int
+    world: int
+    device: torch.device
+
+    @classmethod
+    def init(cls, cfg: LearnerConfig) -> DataParallel:
+        """Join the process group torchrun set up: nccl on GPU, gloo on CPU."""
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        want_cuda = cfg.device.startswith("cuda") or (
+            cfg.device == "auto" and torch.cuda.is_available()
+        )
+        if want_cuda:
+            device = torch.device("cuda", local)
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "nccl" if want_cuda else "gloo",
+                timeout=datetime.timedelta(seconds=cfg.dist_timeout_s),
+            )
+        return cls(dist.get_rank(), dist.get_world_size(), device)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+    # -- rank 0 -> every rank: a command with an optional payload
+    def send(self, command: Command, step: int = 0, payload: bytes = b"") -> None:
+        header = torch.tensor([int(command), step, len(payload)], dtype=torch.long)
+        dist.broadcast(header.to(self.device), src=0)
+        if payload:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            dist.broadcast(data.to(self.device), src=0)
+
+    def receive(self) -> tuple[Command, int, bytes]:
+        header = torch.empty(3, dtype=torch.long, device=self.device)
+        dist.broadcast(header, src=0)
+        command, step, size = (int(x) for x in header.cpu())
+        payload = b""
+        if size:
+            data = torch.empty(size, dtype=torch.uint8, device=self.device)
+            dist.broadcast(data, src=0)
+            payload = data.cpu().numpy().tobytes()
+        return Command(command), step, payload
+
+    def broadcast_text(self, text: str | None) -> str:
+        """Rank 0's string on every rank (which checkpoint to restore)."""
+        box = [text]
+        dist.broadcast_object_list(box, src=0)  # between our own ranks only, never from Redis
+        return str(box[0])
+
+    def gather_pids(self) -> list[int]:
+        mine = torch.tensor([os.getpid()], dtype=torch.long, device=self.device)
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(out, mine)
+        return [int(t.item()) for t in out]
+
+    def sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.cpu().tolist()
+
+
+def wrap(model: nn.Module, dp: DataParallel) -> DistributedDataParallel:
+    """DDP over the model; its constructor broadcasts rank 0's weights to every rank."""
+    ids = [dp.device.index] if dp.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids)
+
+
+def rank_chunks(batch: Batch, micro: int, rank: int, world: int) -> list[slice]:
+    """This rank's row slices: a contiguous share of the batch cut into micro-batches, padded
+    with empty slices so that every rank runs as many backward passes (DDP syncs on the last)."""
+    n = batch.num_sequences
+    per = -(-n // world)  # rows per rank, the last rank may get fewer (or none)
+    lo, hi = min(n, rank * per), min(n, (rank + 1) * per)
+    size = micro or per
+    count = max(1, -(-per // size))
+    out = [slice(i, min(hi, i + size)) for i in range(lo, hi, size)]
+    return out + [slice(lo, lo)] * (count - len(out))
+
+
+def num_chunks(batch: Batch, micro: int, world: int) -> int:
+    """Non-empty chunks over all ranks: ``bnpo``'s divisor."""
+    return sum(
+        sum(1 for s in rank_chunks(batch, micro, r, world) if s.stop > s.start)
+        for r in range(world)
+    )
+
+
+def ddp_train_step(
+    ddp: DistributedDataParallel,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    cfg: LearnerConfig,
+    step: int,
+    dp: DataParallel,
+    ref_model: nn.Module | None = None,
+) -> StepStats:
+    """``train.train_step`` over ranks: this rank's share of the batch, gradients all-reduced
+    by DDP, then the same clip and AdamW update on every rank."""
+    ddp.train()
+    optimizer.zero_grad(set_to_none=True)
+    chunks = rank_chunks(batch, cfg.micro_batch_size, dp.rank, dp.world)
+    total_chunks = num_chunks(batch, cfg.micro_batch_size, dp.world)
+    loss = entropy = 0.0
+    is_tokens = is_clipped = 0
+    for i, rows in enumerate(chunks):
+        empty = rows.stop <= rows.start
+        sync = contextlib.nullcontext() if i == len(chunks) - 1 else ddp.no_sync()
+        with sync:
+            # a rank without rows still joins the all-reduce: one row, weight 0
+            part = chunk_loss(ddp, batch, slice(0, 1) if empty else rows, cfg, ref_model,
+                              total_chunks)  # fmt: skip
+            (part.value * (0.0 if empty else dp.world)).backward()
+        if not empty:
+            loss += float(part.value.detach())
+            entropy += part.entropy
+            is_tokens += part.is_tokens
+            is_clipped += part.is_clipped
+    loss, entropy, is_tokens, is_clipped = dp.sum([loss, entropy, is_tokens, is_clipped])
+    return apply_update(
+        optimizer, batch, cfg, step,
+        loss=loss, entropy=entropy / max(1, batch.num_tokens),
+        is_tokens=int(is_tokens), is_clipped=int(is_clipped),
+    )  # fmt: skip
+
+
+class Trainer:
+    """Rank 0's side of a step: send the groups, then train on its own share."""
+
+    def __init__(self, dp: DataParallel, ddp: DistributedDataParallel, pad_token_id: int):
+        self.dp, self.ddp, self.pad = dp, ddp, pad_token_id
+
+    def step(
+        self,
+        groups: list[schema.Group],
+        optimizer: torch.optim.Optimizer,
+        cfg: LearnerConfig,
+        step: int,
+        ref_model: nn.Module | None,
+    ) -> StepStats:
+        self.dp.send(Command.STEP, step, _ENCODER.encode(StepPayload(cfg.entropy_coef, groups)))
+        batch = make_batch(groups, self.pad, cfg.scale_rewards)
+        return ddp_train_step(self.ddp, optimizer, batch, cfg, step, self.dp, ref_model)
+
+    def heartbeat(self) -> None:
+        self.dp.send(Command.HEARTBEAT)
+
+    def stop(self) -> None:
+        self.dp.send(Command.STOP)
+
+
+def follow(
+    dp: DataParallel,
+    ddp: DistributedDataParallel,
+    optimizer: torch.optim.Optimizer,
+    cfg: LearnerConfig,
+    pad_token_id: int,
+    ref_model: nn.Module | None,
+) -> int:
+    """The loop of ranks > 0: train on what rank 0 sends until it says stop. Returns the
+    number of steps taken."""
+    steps = 0
+    while True:
+        command, step, payload = dp.receive()
+        if command == Command.STOP:
+            return steps
+        if command == Command.STEP:
+            sent = _STEP.decode(payload)
+            step_cfg = msgspec.structs.replace(cfg, entropy_coef=sent.entropy_coef)
+            batch = make_batch(sent.groups, pad_token_id, step_cfg.scale_rewards)
+            ddp_train_step(ddp, optimizer, batch, step_cfg, step, dp, ref_model)
+            steps += 1
+
+
+def launch(nproc: int, args: list[str]) -> int:
+    """``streamrl learn --nproc N``: run the learner under torchrun on this machine."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", "-m", "streamrl.learner.loop", *args,
+    ]  # fmt: skip
+    return subprocess.call(cmd)
