@@ -329,6 +329,46 @@ def status(c: Ctx, as_json: bool) -> None:
 
 
 @main.command()
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=d.METRICS_PORT,
+    show_default=True,
+    envvar="STREAMRL_METRICS_PORT",
+    help="Port of /metrics (0: any free port).",
+)
+@click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option(
+    "--all-runs",
+    is_flag=True,
+    envvar="STREAMRL_METRICS_ALL_RUNS",
+    help="Export every run that has a config, not only --run.",
+)
+@pass_ctx
+def metrics(c: Ctx, port: int, addr: str, all_runs: bool) -> None:
+    """Serve Prometheus metrics at /metrics, read from Redis at each scrape: one exporter
+    covers every worker of the run (Ctrl-C or SIGTERM stops it)."""
+    import threading
+
+    from streamrl.metrics import run_names, serve
+
+    r = c.client()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    what = "every run" if all_runs else f"run {c.run!r}"
+
+    def ready(bound: int) -> None:
+        click.echo(f"serving {what} on http://{addr}:{bound}/metrics", err=True)
+
+    try:
+        serve(r, run_names(r, c.run, all_runs), port, addr, ready=ready, stop=stop)
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {addr}:{port}: {e}") from None
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command()
 @click.option("--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True)
 @pass_ctx
 def watch(c: Ctx, interval: float) -> None:

@@ -116,3 +116,11 @@ ADMISSION_MEMORY_CHECK_S = 0.5
 ADMISSION_SAMPLE_BYTES_PRIOR = 2048
 ADMISSION_DROP_PROBE_S = 60.0
 ADMISSION_TELL_EVERY_S = 5.0
+
+# The Prometheus exporter (`streamrl metrics`): its port; the reward histogram's upper bucket
+# bounds (rewards at or below 0 all fall in le="0.0": a histogram with negative bounds has no
+# _sum or _count in Prometheus's format); how many entries of the scored and dead streams one
+# scrape folds at most (a first scrape of a long run catches up over several scrapes).
+METRICS_PORT = 9464
+METRICS_REWARD_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+METRICS_TAIL_MAX_ENTRIES = 50_000
