@@ -16,6 +16,7 @@ import msgspec
 
 from streamrl import defaults as d
 from streamrl.learner.losses import IMPORTANCE_SAMPLING, LOSS_TYPES, SCALE_REWARDS
+from streamrl.learner.report import targets
 
 
 class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -73,6 +74,11 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sync_every: int = 1
     keep_policy_versions: int = 3
 
+    # -- training curves (TRL's names): "none" | "tensorboard" | "wandb" | "all", or a list;
+    # the console's `step` line every logging_steps steps (reporters get every step)
+    report_to: str | list[str] = "none"
+    logging_steps: int = 1
+
     # -- stream reading
     block_ms: int = d.READ_BLOCK_MS
     read_count: int = 64
@@ -100,10 +106,15 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             (0 < self.block_ms <= 5000, "block_ms must be in (0, 5000]"),
             (self.temperature > 0, "temperature must be > 0"),
             (self.entropy_coef >= 0, "entropy_coef must be >= 0"),
+            (self.logging_steps >= 1, "logging_steps must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:
                 raise msgspec.ValidationError(message)
+        try:
+            targets(self.report_to)
+        except ValueError as e:
+            raise msgspec.ValidationError(str(e)) from None
 
     @property
     def eps_high(self) -> float:

@@ -62,6 +62,13 @@ from streamrl.learner.model import (
     load_reference,
     seed_everything,
 )
+from streamrl.learner.report import (
+    Reporters,
+    ReportUnavailable,
+    check_available,
+    make_reporters,
+    step_scalars,
+)
 from streamrl.learner.train import StepStats, make_optimizer, train_step
 from streamrl.models.local import ModelNotFound, require_model_dir
 from streamrl.workers.context import read_config
@@ -103,6 +110,8 @@ class Learner:
     last: StepStats | None = None
     last_taken: str = "0-0"  # the newest entry id handed to take()
     group_size: int = 0  # from the run config; sets the admission limit the producer obeys
+    reporters: Reporters = field(default_factory=lambda: Reporters([]))
+    last_step_at: float = field(default_factory=time.monotonic)
 
     @property
     def consumer(self) -> str:
@@ -178,14 +187,19 @@ class Learner:
         st.loss = stats.loss
         self.unacked.extend(w.ids)
         consumed, drops = w.counters.groups_consumed, w.counters.drop_fractions()
+        now = time.monotonic()
+        scalars = step_scalars(stats, w.counters.staleness, now - self.last_step_at)
+        self.last_step_at = now
         self.window = Window()
         self.last = stats
-        log.info(
-            "step", step=st.step, loss=round(stats.loss, 6), reward_mean=stats.reward_mean,
-            entropy=round(stats.entropy, 4), grad_norm=round(stats.grad_norm, 4), lr=stats.lr,
-            tokens=stats.tokens, groups_consumed=consumed,
-            dropped={k: v for k, v in drops.items() if v},
-        )  # fmt: skip
+        if st.step % cfg.logging_steps == 0:
+            log.info(
+                "step", step=st.step, loss=round(stats.loss, 6), reward_mean=stats.reward_mean,
+                entropy=round(stats.entropy, 4), grad_norm=round(stats.grad_norm, 4),
+                lr=stats.lr, tokens=stats.tokens, groups_consumed=consumed,
+                dropped={k: v for k, v in drops.items() if v},
+            )  # fmt: skip
+        self.reporters.log(st.step, scalars)
         if st.step % cfg.sync_every == 0:
             st.policy_version += 1
             self.publish()
@@ -301,6 +315,7 @@ def run_learner(
     path = latest_checkpoint(ckpt_dir)
     state = restore_checkpoint(path, model, optimizer) if path else LearnerState()
     lrn = Learner(r, keys, cfg, out, model, tokenizer, optimizer, ref_model, state)
+    lrn.reporters = make_reporters(cfg.report_to, out, run, msgspec.structs.asdict(cfg))
     run_config = read_config(r.get(keys.config))
     lrn.group_size = run_config.group_size if run_config else 0
     log.info("learner started", step=state.step, restored=str(path) if path else None)
@@ -335,6 +350,7 @@ def run_learner(
 
     if state.step > state.checkpoint_step:
         lrn.checkpoint()
+    lrn.reporters.close()
     lrn.report(status="stopped" if fault is None else "faulted")
     log.info("learner stopped", step=state.step, **msgspec.structs.asdict(state.counters))
     with contextlib.suppress(redis.RedisError):
@@ -390,7 +406,8 @@ def learn_command(
         raise click.UsageError(str(e)) from None
     try:
         require_model_dir(cfg.model, "learner.model")
-    except ModelNotFound as e:
+        check_available(cfg.report_to)
+    except (ModelNotFound, ReportUnavailable) as e:
         raise click.ClickException(str(e)) from None
     try:
         connect(resolved).ping()

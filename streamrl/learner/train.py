@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,13 @@ class StepStats:
     entropy: float = 0.0  # mean token entropy of the policy on the batch's completions (nats)
     is_tokens: int = 0
     is_clipped: int = 0
+    reward_std: float = 0.0  # population std of the batch's rewards
+    is_weight_mean: float = 1.0  # importance weights π_old/μ of tokens with a known μ
+    is_weight_min: float = 1.0
+    is_weight_max: float = 1.0
+    clip_low: float = 0.0  # fraction of completion tokens with ratio < 1-ε_low and A < 0
+    clip_high: float = 0.0  # fraction with ratio > 1+ε_high and A > 0 (TRL's clip_ratio/*)
+    seconds: float = 0.0  # wall time of the step (forward, backward, update)
 
 
 @dataclass
@@ -40,6 +48,11 @@ class BatchLoss:
     entropy: float  # mean over the batch's completion tokens
     is_tokens: int = 0  # completion tokens with a known behaviour log-prob
     is_clipped: int = 0  # of those, how many had π_old/μ outside [min, max]
+    is_weight_sum: float = 0.0  # Σ π_old/μ over those tokens
+    is_weight_min: float = math.inf
+    is_weight_max: float = -math.inf
+    clipped_low: int = 0  # tokens where the PPO clip bound the ratio from below (A < 0)
+    clipped_high: int = 0  # ... from above (A > 0), as TRL's clip_ratio/low_mean, high_mean
 
 
 def batch_loss(
@@ -65,8 +78,9 @@ def batch_loss(
     """
     device = next(model.parameters()).device
     chunks = batch.chunks(cfg.micro_batch_size)
-    total = entropy_sum = 0.0
-    is_tokens = is_clipped = 0
+    total = entropy_sum = is_sum = 0.0
+    is_tokens = is_clipped = clipped_low = clipped_high = 0
+    is_min, is_max = math.inf, -math.inf
     for rows in chunks:
         ids = batch.input_ids[rows].to(device)
         attn = batch.attention_mask[rows].to(device)
@@ -87,8 +101,17 @@ def batch_loss(
         outside = (ratio > (math.inf if hi is None else hi)) | (ratio < (lo or 0.0))
         is_tokens += int(known.sum())
         is_clipped += int(outside.sum())
+        if ratio.numel():
+            is_sum += float(ratio.sum())
+            is_min, is_max = min(is_min, float(ratio.min())), max(is_max, float(ratio.max()))
         if cfg.clip_against == "behaviour":
             old = torch.where(torch.isnan(behaviour), old, behaviour)
+        with torch.no_grad():  # where the clipped surrogate is the one taken (TRL's clip_ratio)
+            ppo = torch.exp(logps.detach() - old)
+            adv = batch.advantages[rows].to(device).reshape(-1, 1).expand_as(ppo)
+            on = mask.bool()
+            clipped_low += int(((ppo < 1 - cfg.epsilon) & (adv < 0) & on).sum())
+            clipped_high += int(((ppo > 1 + cfg.eps_high) & (adv > 0) & on).sum())
         ref = None
         if cfg.beta != 0.0:
             if ref_model is None:
@@ -121,7 +144,17 @@ def batch_loss(
         if backward:
             loss.backward()
         total += float(loss.detach())
-    return BatchLoss(total, entropy_sum / max(1, batch.num_tokens), is_tokens, is_clipped)
+    return BatchLoss(
+        total,
+        entropy_sum / max(1, batch.num_tokens),
+        is_tokens,
+        is_clipped,
+        is_sum,
+        is_min,
+        is_max,
+        clipped_low,
+        clipped_high,
+    )
 
 
 def lr_at(step: int, cfg: LearnerConfig) -> float:
@@ -158,6 +191,7 @@ def train_step(
     ref_model: nn.Module | None = None,
 ) -> StepStats:
     """Zero grads, accumulate the batch's gradient, clip, set the LR for ``step``, update."""
+    started = time.perf_counter()
     model.train()
     optimizer.zero_grad(set_to_none=True)
     measured = batch_loss(model, batch, cfg, ref_model)
@@ -173,14 +207,25 @@ def train_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     rewards = batch.rewards
+    mean = sum(rewards) / len(rewards) if rewards else 0.0
+    std = math.sqrt(sum((x - mean) ** 2 for x in rewards) / len(rewards)) if rewards else 0.0
+    m, n = measured, max(1, batch.num_tokens)
+    known = m.is_tokens > 0
     return StepStats(
-        loss=measured.loss,
-        entropy=measured.entropy,
-        is_tokens=measured.is_tokens,
-        is_clipped=measured.is_clipped,
+        loss=m.loss,
+        entropy=m.entropy,
+        is_tokens=m.is_tokens,
+        is_clipped=m.is_clipped,
         grad_norm=norm,
         lr=lr,
         tokens=batch.num_tokens,
         sequences=batch.num_sequences,
-        reward_mean=sum(rewards) / len(rewards) if rewards else 0.0,
+        reward_mean=mean,
+        reward_std=std,
+        is_weight_mean=m.is_weight_sum / m.is_tokens if known else 1.0,
+        is_weight_min=m.is_weight_min if known else 1.0,
+        is_weight_max=m.is_weight_max if known else 1.0,
+        clip_low=m.clipped_low / n,
+        clip_high=m.clipped_high / n,
+        seconds=time.perf_counter() - started,
     )
