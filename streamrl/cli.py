@@ -113,13 +113,23 @@ class Group(click.Group):
 @click.option("--run", default=d.DEFAULT_RUN, envvar="STREAMRL_RUN", show_default=True)
 @click.option("--run-dir", default=d.RUN_DIR, show_default=True, help="Private Redis lives here.")
 @click.option("--debug", is_flag=True, help="Show the traceback of an unexpected error.")
+@click.option(
+    "--log-format",
+    type=click.Choice(["auto", "json", "console"]),
+    default="auto",
+    show_default=True,
+    envvar="STREAMRL_LOG_FORMAT",
+    help="Log lines as JSON objects or key=value for a terminal (auto: console on a tty).",
+)
 @click.version_option(package_name="streamrl")
 @click.pass_context
-def main(ctx: click.Context, redis_url: str | None, run: str, run_dir: str, debug: bool) -> None:
+def main(
+    ctx: click.Context, redis_url: str | None, run: str, run_dir: str, debug: bool, log_format: str
+) -> None:
     """streamrl: RL from verifiable rewards as a streaming pipeline on Redis."""
     from streamrl.log import configure
 
-    configure()
+    configure(fmt=log_format)
     ctx.obj = Ctx(redis_url, run, run_dir)
 
 
@@ -260,6 +270,10 @@ def produce(
                 else ""
             )
             raise click.ClickException(f"{e}{hint}") from None
+    from streamrl.log import bind
+    from streamrl.workers.context import consumer_name
+
+    bind(run=c.run, role="producer", worker=consumer_name())
     r = c.client(resilient=True)
     ensure_groups(r, Keys(c.run))
     r.delete(Keys(c.run).halt)
@@ -350,15 +364,22 @@ def metrics(c: Ctx, port: int, addr: str, all_runs: bool) -> None:
     covers every worker of the run (Ctrl-C or SIGTERM stops it)."""
     import threading
 
-    from streamrl.metrics import run_names, serve
+    import structlog
 
+    from streamrl.log import bind
+    from streamrl.metrics import run_names, serve
+    from streamrl.workers.context import consumer_name
+
+    bind(run=c.run, role="metrics", worker=consumer_name())
     r = c.client()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     what = "every run" if all_runs else f"run {c.run!r}"
 
     def ready(bound: int) -> None:
-        click.echo(f"serving {what} on http://{addr}:{bound}/metrics", err=True)
+        structlog.get_logger("streamrl.metrics").info(
+            "serving metrics", url=f"http://{addr}:{bound}/metrics", runs=what
+        )
 
     try:
         serve(r, run_names(r, c.run, all_runs), port, addr, ready=ready, stop=stop)

@@ -40,6 +40,9 @@ MAX_STALENESS = 4
 MAX_POLICY_LAG_S = 60.0
 POLICY_HEALTH_STALE_HEARTBEATS = 3
 POLICY_HEALTH_STALE_S = 10.0
+# A policy reload that keeps failing is retried at every check; its error is logged when first
+# seen, when it changes, and then once per RELOAD_ERROR_LOG_EVERY_S with the repeats counted.
+RELOAD_ERROR_LOG_EVERY_S = 60.0
 
 # Episodes.
 MAX_TURNS = 8

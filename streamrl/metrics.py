@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 import redis
+import structlog
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -42,7 +43,9 @@ from streamrl.defaults import (
     RUNS_KEY,
     VERIFY_QUEUE,
 )
+from streamrl.log import Repeats
 
+log = structlog.get_logger("streamrl.metrics")
 LEARNER_DROP_REASONS = ("stale", "zero_variance", "no_tokens", "invalid")
 LEARNER_STATUSES = ("running", "stopped", "faulted")
 
@@ -164,6 +167,7 @@ class PipelineCollector(Collector):
         self.tail_max = tail_max
         self._feeds: dict[str, _RunFeeds] = {}
         self._lock = threading.Lock()  # two scrapes at once must not fold an entry twice
+        self._repeats = Repeats()  # Redis down: one line, not one per scrape
 
     def describe(self) -> list[Metric]:
         return []  # names depend on what Redis holds; nothing is collected at registration
@@ -174,11 +178,15 @@ class PipelineCollector(Collector):
         with self._lock:
             try:
                 families = list(self._collect())
-            except redis.RedisError:
+            except redis.RedisError as e:
                 families = []
                 up.add_metric([], 0)
+                skipped = self._repeats.check("redis", str(e))
+                if skipped is not None:
+                    log.warning("cannot read Redis", error=str(e), repeats_not_logged=skipped)
             else:
                 up.add_metric([], 1)
+                self._repeats.clear("redis")
         yield up
         yield from families
         took = GaugeMetricFamily(

@@ -109,6 +109,18 @@ def test_scrape_of_a_run_matches_status(redis_url, subprocess_env, tmp_path, lea
             if (s := schema.SCORE.decode(f[b"p"])).reward is not None
         ]
 
+    # the workers' log lines carry the same keys as every role's
+    logs = [
+        json.loads(line)
+        for f in (tmp_path / "logs").glob("*")
+        for line in f.read_text().splitlines()
+        if line.startswith("{")
+    ]
+    dead_lines = [x for x in logs if x["event"] == "dead-lettered trajectory"]
+    assert len(dead_lines) == 4
+    assert all(x["run"] == RUN and x["role"] == "verify" and x["worker"] for x in dead_lines)
+    assert len({x["task_id"] for x in dead_lines}) == 4  # the failed prompt's four samples
+
     assert one(m, "streamrl_redis_up") == 1
     for stage, info in status["stages"].items():
         assert one(m, "streamrl_stream_length", run=RUN, stream=stage) == info["length"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import threading
 import time
 import tomllib
@@ -219,7 +220,8 @@ class Learner:
             lora=self.cfg.lora_r > 0,
             keep=self.cfg.keep_policy_versions,
         )
-        log.info("published", policy_version=pv.version, step=pv.step, path=pv.path)
+        structlog.contextvars.bind_contextvars(policy_version=pv.version)
+        log.info("published", step=pv.step, path=pv.path)
 
     def checkpoint(self) -> None:
         """Checkpoint, and only then XACK what it covers."""
@@ -297,7 +299,9 @@ def run_learner(
     _stop_on_signals(stop)
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
-    structlog.contextvars.bind_contextvars(run=run, role="learner")
+    structlog.contextvars.bind_contextvars(
+        run=run, role="learner", worker=f"{socket.gethostname()}-{os.getpid()}"
+    )
     seed_everything(cfg.seed)
     out = cfg.out_dir(run)
     r = connect(url, resilient=True)
@@ -315,6 +319,7 @@ def run_learner(
     path = latest_checkpoint(ckpt_dir)
     state = restore_checkpoint(path, model, optimizer) if path else LearnerState()
     lrn = Learner(r, keys, cfg, out, model, tokenizer, optimizer, ref_model, state)
+    structlog.contextvars.bind_contextvars(policy_version=state.policy_version)
     lrn.reporters = make_reporters(cfg.report_to, out, run, msgspec.structs.asdict(cfg))
     run_config = read_config(r.get(keys.config))
     lrn.group_size = run_config.group_size if run_config else 0

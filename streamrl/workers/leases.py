@@ -201,7 +201,7 @@ def run_lease(run: str, name: str, stage: str, body: Callable[[redis.Redis], dic
     if conn.exists(halt):
         return {"halted": True}
     configure()
-    structlog.contextvars.bind_contextvars(run=run, worker=consumer_name(), stage=stage)
+    structlog.contextvars.bind_contextvars(run=run, role=stage, worker=consumer_name())
     counts = body(conn)
     top_up_if_work(conn, name, run)
     return counts
