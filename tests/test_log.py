@@ -19,6 +19,16 @@ from streamrl.schema import PolicyVersion, encode
 from tests.support.cli import ROOT
 
 
+@pytest.fixture
+def restore_structlog():
+    """configure() binds the stream it writes to (capsys's here): put the old setup back."""
+    import structlog
+
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
 def _first_line(argv: list[str], env: dict) -> str:
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamrl.cli", *argv],
@@ -79,7 +89,7 @@ def test_repeats_writes_first_changed_and_then_once_per_window():
 
 
 def test_failing_policy_reload_is_logged_once_not_per_batch(
-    redis_url, r, tmp_path, capsys, monkeypatch
+    redis_url, r, tmp_path, capsys, monkeypatch, restore_structlog
 ):
     """The hf backend retries a bad version at every check (here: every batch); its error
     goes to the log once, with the standard keys, and the recovery once."""

@@ -75,9 +75,10 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     keep_policy_versions: int = 3
 
     # -- training curves (TRL's names): "none" | "tensorboard" | "wandb" | "all", or a list;
-    # the console's `step` line every logging_steps steps (reporters get every step)
+    # the console's `step` and `published` lines every logging_steps steps (TRL's default 10;
+    # the reporters get every step): no log line per batch in steady state
     report_to: str | list[str] = "none"
-    logging_steps: int = 1
+    logging_steps: int = 10
 
     # -- stream reading
     block_ms: int = d.READ_BLOCK_MS

@@ -221,7 +221,8 @@ class Learner:
             keep=self.cfg.keep_policy_versions,
         )
         structlog.contextvars.bind_contextvars(policy_version=pv.version)
-        log.info("published", step=pv.step, path=pv.path)
+        due = pv.version == 0 or self.state.step % self.cfg.logging_steps == 0
+        (log.info if due else log.debug)("published", step=pv.step, path=pv.path)
 
     def checkpoint(self) -> None:
         """Checkpoint, and only then XACK what it covers."""
