@@ -285,8 +285,8 @@ class PipelineCollector(Collector):
             by_staleness = {}
         for behind, n in sorted(by_staleness.items(), key=lambda kv: int(kv[0])):
             f.learner_applied.add_metric([run, str(behind)], n)
-        if not by_staleness:
-            f.learner_applied.add_metric([run, "0"], num.get("groups_applied") or 0.0)
+        if not by_staleness and num.get("groups_applied"):  # a learner that does not say
+            f.learner_applied.add_metric([run, "unknown"], num["groups_applied"] or 0.0)
         ckpt = num.get("last_checkpoint_time") or 0.0
         if ckpt > 0:
             f.checkpoint_time.add_metric([run], ckpt)
