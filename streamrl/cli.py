@@ -156,6 +156,14 @@ class Group(click.Group):
 @click.option("--run", default=d.DEFAULT_RUN, envvar="STREAMRL_RUN", show_default=True)
 @click.option("--run-dir", default=d.RUN_DIR, show_default=True, help="Private Redis lives here.")
 @click.option("--debug", is_flag=True, help="Show the traceback of an unexpected error.")
+@click.option(
+    "--log-format",
+    type=click.Choice(["auto", "json", "console"]),
+    default="auto",
+    show_default=True,
+    envvar="STREAMRL_LOG_FORMAT",
+    help="Log lines as JSON objects or key=value for a terminal (auto: console on a tty).",
+)
 @click.version_option(package_name="streamrl")
 @click.pass_context
 def main(
@@ -165,11 +173,12 @@ def main(
     run: str,
     run_dir: str,
     debug: bool,
+    log_format: str,
 ) -> None:
     """streamrl: RL from verifiable rewards as a streaming pipeline on Redis."""
     from streamrl.log import configure
 
-    configure()
+    configure(fmt=log_format)
     ctx.obj = Ctx(redis_url, run, run_dir, control_redis)
 
 
@@ -320,6 +329,10 @@ def produce(
                 else ""
             )
             raise click.ClickException(f"{e}{hint}") from None
+    from streamrl.log import bind
+    from streamrl.workers.context import consumer_name
+
+    bind(run=c.run, role="producer", worker=consumer_name())
     r = c.client(resilient=True)
     control = c.control(r)
     stored = read_config(r.get(Keys(c.run).config))
@@ -404,6 +417,53 @@ def status(c: Ctx, as_json: bool) -> None:
         from rich.console import Console
 
         Console().print(status_table(info))
+
+
+@main.command()
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=d.METRICS_PORT,
+    show_default=True,
+    envvar="STREAMRL_METRICS_PORT",
+    help="Port of /metrics (0: any free port).",
+)
+@click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option(
+    "--all-runs",
+    is_flag=True,
+    envvar="STREAMRL_METRICS_ALL_RUNS",
+    help="Export every run that has a config, not only --run.",
+)
+@pass_ctx
+def metrics(c: Ctx, port: int, addr: str, all_runs: bool) -> None:
+    """Serve Prometheus metrics at /metrics, read from Redis at each scrape: one exporter
+    covers every worker of the run (Ctrl-C or SIGTERM stops it)."""
+    import threading
+
+    import structlog
+
+    from streamrl.log import bind
+    from streamrl.metrics import run_names, serve
+    from streamrl.workers.context import consumer_name
+
+    bind(run=c.run, role="metrics", worker=consumer_name())
+    r = c.client()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    what = "every run" if all_runs else f"run {c.run!r}"
+
+    def ready(bound: int) -> None:
+        structlog.get_logger("streamrl.metrics").info(
+            "serving metrics", url=f"http://{addr}:{bound}/metrics", runs=what
+        )
+
+    try:
+        serve(r, run_names(r, c.run, all_runs), port, addr, ready=ready, stop=stop)
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {addr}:{port}: {e}") from None
+    except KeyboardInterrupt:
+        pass
 
 
 @main.command()

@@ -45,6 +45,9 @@ MAX_STALENESS = 4
 MAX_POLICY_LAG_S = 60.0
 POLICY_HEALTH_STALE_HEARTBEATS = 3
 POLICY_HEALTH_STALE_S = 10.0
+# A policy reload that keeps failing is retried at every check; its error is logged when first
+# seen, when it changes, and then once per RELOAD_ERROR_LOG_EVERY_S with the repeats counted.
+RELOAD_ERROR_LOG_EVERY_S = 60.0
 
 # Episodes.
 MAX_TURNS = 8
@@ -127,3 +130,11 @@ ADMISSION_TELL_EVERY_S = 5.0
 # that entries arriving on another shard wait no longer than that.
 MAX_SHARDS = 256
 SHARD_BLOCK_MS = 100
+
+# The Prometheus exporter (`streamrl metrics`): its port; the reward histogram's upper bucket
+# bounds (rewards at or below 0 all fall in le="0.0": a histogram with negative bounds has no
+# _sum or _count in Prometheus's format); how many entries of the scored and dead streams one
+# scrape folds at most (a first scrape of a long run catches up over several scrapes).
+METRICS_PORT = 9464
+METRICS_REWARD_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+METRICS_TAIL_MAX_ENTRIES = 50_000

@@ -177,6 +177,7 @@ class Score(_Base, kw_only=True):
     policy_versions: list[int] = msgspec.field(default_factory=list)
     worker: str = ""
     scored_at: float = 0.0
+    env: str = ""  # the trajectory's environment: the live feed's label (`streamrl metrics`)
 
 
 class Sample(_Base, kw_only=True):

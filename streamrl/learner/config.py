@@ -16,6 +16,7 @@ import msgspec
 
 from streamrl import defaults as d
 from streamrl.learner.losses import IMPORTANCE_SAMPLING, LOSS_TYPES, SCALE_REWARDS
+from streamrl.learner.report import targets
 
 
 class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -79,6 +80,12 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sync_every: int = 1
     keep_policy_versions: int = 3
 
+    # -- training curves (TRL's names): "none" | "tensorboard" | "wandb" | "all", or a list;
+    # the console's `step` and `published` lines every logging_steps steps (TRL's default 10;
+    # the reporters get every step): no log line per batch in steady state
+    report_to: str | list[str] = "none"
+    logging_steps: int = 10
+
     # -- stream reading
     block_ms: int = d.READ_BLOCK_MS
     read_count: int = 64
@@ -116,10 +123,15 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             (self.entropy_coef_step >= 0, "entropy_coef_step must be >= 0"),
             (self.entropy_coef_max >= 0, "entropy_coef_max must be >= 0"),
             (self.dist_timeout_s > self.block_ms / 1000, "dist_timeout_s must exceed block_ms"),
+            (self.logging_steps >= 1, "logging_steps must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:
                 raise msgspec.ValidationError(message)
+        try:
+            targets(self.report_to)
+        except ValueError as e:
+            raise msgspec.ValidationError(str(e)) from None
 
     @property
     def eps_high(self) -> float:

@@ -36,6 +36,7 @@ import datetime
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -48,7 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 from streamrl import schema
 from streamrl.learner.batch import Batch, make_batch
 from streamrl.learner.config import LearnerConfig
-from streamrl.learner.train import StepStats, apply_update, chunk_loss
+from streamrl.learner.train import BatchLoss, StepStats, add_chunk, apply_update, chunk_loss
 
 
 class StepPayload(msgspec.Struct, array_like=True):
@@ -140,9 +141,9 @@ class DataParallel:
         dist.all_gather(out, mine)
         return [int(t.item()) for t in out]
 
-    def sum(self, values: list[float]) -> list[float]:
+    def sum(self, values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
+        dist.all_reduce(t, op=op)
         return t.cpu().tolist()
 
 
@@ -187,8 +188,8 @@ def ddp_train_step(
     optimizer.zero_grad(set_to_none=True)
     chunks = rank_chunks(batch, cfg.micro_batch_size, dp.rank, dp.world)
     total_chunks = num_chunks(batch, cfg.micro_batch_size, dp.world)
-    loss = entropy = 0.0
-    is_tokens = is_clipped = 0
+    started = time.perf_counter()
+    mine = BatchLoss(0.0, 0.0)
     for i, rows in enumerate(chunks):
         empty = rows.stop <= rows.start
         sync = contextlib.nullcontext() if i == len(chunks) - 1 else ddp.no_sync()
@@ -198,16 +199,19 @@ def ddp_train_step(
                               total_chunks)  # fmt: skip
             (part.value * (0.0 if empty else dp.world)).backward()
         if not empty:
-            loss += float(part.value.detach())
-            entropy += part.entropy
-            is_tokens += part.is_tokens
-            is_clipped += part.is_clipped
-    loss, entropy, is_tokens, is_clipped = dp.sum([loss, entropy, is_tokens, is_clipped])
-    return apply_update(
-        optimizer, batch, cfg, step,
-        loss=loss, entropy=entropy / max(1, batch.num_tokens),
-        is_tokens=int(is_tokens), is_clipped=int(is_clipped),
+            mine.loss += float(part.value.detach())
+            mine.entropy += part.entropy
+            add_chunk(mine, part)
+    m = mine
+    sums = dp.sum([m.loss, m.entropy, m.is_tokens, m.is_clipped, m.is_weight_sum,
+                   m.clipped_low, m.clipped_high])  # fmt: skip
+    lo = dp.sum([m.is_weight_min], dist.ReduceOp.MIN)[0]
+    hi = dp.sum([m.is_weight_max], dist.ReduceOp.MAX)[0]
+    measured = BatchLoss(
+        sums[0], sums[1] / max(1, batch.num_tokens), int(sums[2]), int(sums[3]), sums[4],
+        lo, hi, int(sums[5]), int(sums[6]),
     )  # fmt: skip
+    return apply_update(optimizer, batch, cfg, step, measured, started)
 
 
 class Trainer:

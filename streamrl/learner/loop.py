@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -72,6 +73,13 @@ from streamrl.learner.model import (
     load_model,
     load_reference,
     seed_everything,
+)
+from streamrl.learner.report import (
+    Reporters,
+    ReportUnavailable,
+    check_available,
+    make_reporters,
+    step_scalars,
 )
 from streamrl.learner.train import StepStats, make_optimizer, train_step
 from streamrl.models.local import ModelNotFound, require_model_dir
@@ -121,6 +129,9 @@ class Learner:
     _turn: int = 0  # the shard read first next time (round robin)
     trainer: Trainer | None = None  # data parallel: rank 0 sends each step to every rank
     rank_pids: list[int] = field(default_factory=list)
+
+    reporters: Reporters = field(default_factory=lambda: Reporters([]))
+    last_step_at: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         if not self.shards:
@@ -248,15 +259,20 @@ class Learner:
         st.loss = stats.loss
         self.unacked.extend(w.ids)
         consumed, drops = w.counters.groups_consumed, w.counters.drop_fractions()
+        now = time.monotonic()
+        scalars = step_scalars(stats, w.counters.staleness, now - self.last_step_at)
+        scalars["train/entropy_coef"] = coef
+        self.last_step_at = now
         self.window = Window()
         self.last = stats
-        log.info(
-            "step", step=st.step, loss=round(stats.loss, 6), reward_mean=stats.reward_mean,
-            entropy=round(stats.entropy, 4), entropy_coef=round(coef, 6),
-            grad_norm=round(stats.grad_norm, 4), lr=stats.lr,
-            tokens=stats.tokens, groups_consumed=consumed,
-            dropped={k: v for k, v in drops.items() if v},
-        )  # fmt: skip
+        if st.step % cfg.logging_steps == 0:
+            log.info(
+                "step", step=st.step, loss=round(stats.loss, 6), reward_mean=stats.reward_mean,
+                entropy=round(stats.entropy, 4), entropy_coef=round(coef, 6),
+                grad_norm=round(stats.grad_norm, 4), lr=stats.lr, tokens=stats.tokens,
+                groups_consumed=consumed, dropped={k: v for k, v in drops.items() if v},
+            )  # fmt: skip
+        self.reporters.log(st.step, scalars)
         if st.step % cfg.sync_every == 0:
             st.policy_version += 1
             self.publish()
@@ -276,7 +292,9 @@ class Learner:
             lora=self.cfg.lora_r > 0,
             keep=self.cfg.keep_policy_versions,
         )
-        log.info("published", policy_version=pv.version, step=pv.step, path=pv.path)
+        structlog.contextvars.bind_contextvars(policy_version=pv.version)
+        due = pv.version == 0 or self.state.step % self.cfg.logging_steps == 0
+        (log.info if due else log.debug)("published", step=pv.step, path=pv.path)
 
     def checkpoint(self) -> None:
         """Checkpoint, and only then XACK what it covers."""
@@ -385,7 +403,10 @@ def run_learner(
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     structlog.contextvars.bind_contextvars(
-        run=run, role="learner", **({"rank": dp.rank} if dp else {})
+        run=run,
+        role="learner",
+        worker=f"{socket.gethostname()}-{os.getpid()}",
+        **({"rank": dp.rank} if dp else {}),
     )
     seed_everything(cfg.seed)
     out = cfg.out_dir(run)
@@ -415,6 +436,8 @@ def run_learner(
     if dp is not None:
         lrn.trainer = Trainer(dp, wrap(model, dp), tokenizer.pad_token_id)
         lrn.rank_pids = dp.gather_pids()
+    structlog.contextvars.bind_contextvars(policy_version=state.policy_version)
+    lrn.reporters = make_reporters(cfg.report_to, out, run, msgspec.structs.asdict(cfg))
     run_config = read_config(r.get(keys.config))
     lrn.group_size = run_config.group_size if run_config else 0
     log.info("learner started", step=state.step, restored=str(path) if path else None)
@@ -450,6 +473,7 @@ def run_learner(
 
     if state.step > state.checkpoint_step:
         lrn.checkpoint()
+    lrn.reporters.close()
     if lrn.trainer is not None and dp is not None:
         lrn.trainer.stop()
         dp.close()
@@ -534,7 +558,8 @@ def learn_command(
         raise click.UsageError(str(e)) from None
     try:
         require_model_dir(cfg.model, "learner.model")
-    except ModelNotFound as e:
+        check_available(cfg.report_to)
+    except (ModelNotFound, ReportUnavailable) as e:
         raise click.ClickException(str(e)) from None
     try:
         connect(resolved).ping()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,13 @@ class StepStats:
     entropy: float = 0.0  # mean token entropy of the policy on the batch's completions (nats)
     is_tokens: int = 0
     is_clipped: int = 0
+    reward_std: float = 0.0  # population std of the batch's rewards
+    is_weight_mean: float = 1.0  # importance weights π_old/μ of tokens with a known μ
+    is_weight_min: float = 1.0
+    is_weight_max: float = 1.0
+    clip_low: float = 0.0  # fraction of completion tokens with ratio < 1-ε_low and A < 0
+    clip_high: float = 0.0  # fraction with ratio > 1+ε_high and A > 0 (TRL's clip_ratio/*)
+    seconds: float = 0.0  # wall time of the step (forward, backward, update)
 
 
 @dataclass
@@ -40,6 +48,11 @@ class BatchLoss:
     entropy: float  # mean over the batch's completion tokens
     is_tokens: int = 0  # completion tokens with a known behaviour log-prob
     is_clipped: int = 0  # of those, how many had π_old/μ outside [min, max]
+    is_weight_sum: float = 0.0  # Σ π_old/μ over those tokens
+    is_weight_min: float = math.inf
+    is_weight_max: float = -math.inf
+    clipped_low: int = 0  # tokens where the PPO clip bound the ratio from below (A < 0)
+    clipped_high: int = 0  # ... from above (A > 0), as TRL's clip_ratio/low_mean, high_mean
 
 
 @dataclass
@@ -48,6 +61,11 @@ class ChunkLoss:
     entropy: float  # sum of token entropies over the chunk's completion tokens
     is_tokens: int = 0
     is_clipped: int = 0
+    is_weight_sum: float = 0.0
+    is_weight_min: float = math.inf
+    is_weight_max: float = -math.inf
+    clipped_low: int = 0
+    clipped_high: int = 0
 
 
 def chunk_loss(
@@ -79,6 +97,12 @@ def chunk_loss(
     outside = (ratio > (math.inf if hi is None else hi)) | (ratio < (lo or 0.0))
     if cfg.clip_against == "behaviour":
         old = torch.where(torch.isnan(behaviour), old, behaviour)
+    with torch.no_grad():  # where the clipped surrogate is the one taken (TRL's clip_ratio)
+        ppo = torch.exp(logps.detach() - old)
+        adv = batch.advantages[rows].to(device).reshape(-1, 1).expand_as(ppo)
+        on = mask.bool()
+        clipped_low = int(((ppo < 1 - cfg.epsilon) & (adv < 0) & on).sum())
+        clipped_high = int(((ppo > 1 + cfg.eps_high) & (adv > 0) & on).sum())
     ref = None
     if cfg.beta != 0.0:
         if ref_model is None:
@@ -108,7 +132,17 @@ def chunk_loss(
     )
     if cfg.entropy_coef > 0:
         loss = loss - cfg.entropy_coef * entropy / max(1, batch.num_tokens)
-    return ChunkLoss(loss, float(entropy.detach()), int(known.sum()), int(outside.sum()))
+    return ChunkLoss(
+        loss,
+        float(entropy.detach()),
+        int(known.sum()),
+        int(outside.sum()),
+        float(ratio.sum()) if ratio.numel() else 0.0,
+        float(ratio.min()) if ratio.numel() else math.inf,
+        float(ratio.max()) if ratio.numel() else -math.inf,
+        clipped_low,
+        clipped_high,
+    )
 
 
 def batch_loss(
@@ -134,17 +168,28 @@ def batch_loss(
     fall back to the detached model.
     """
     chunks = batch.chunks(cfg.micro_batch_size)
-    total = entropy_sum = 0.0
-    is_tokens = is_clipped = 0
+    out = BatchLoss(0.0, 0.0)
+    entropy_sum = 0.0
     for rows in chunks:
         part = chunk_loss(model, batch, rows, cfg, ref_model, len(chunks))
         if backward:
             part.value.backward()
-        total += float(part.value.detach())
+        out.loss += float(part.value.detach())
         entropy_sum += part.entropy
-        is_tokens += part.is_tokens
-        is_clipped += part.is_clipped
-    return BatchLoss(total, entropy_sum / max(1, batch.num_tokens), is_tokens, is_clipped)
+        add_chunk(out, part)
+    out.entropy = entropy_sum / max(1, batch.num_tokens)
+    return out
+
+
+def add_chunk(out: BatchLoss, part: ChunkLoss) -> None:
+    """Fold a chunk's importance-weight and clip counts into the batch's."""
+    out.is_tokens += part.is_tokens
+    out.is_clipped += part.is_clipped
+    out.is_weight_sum += part.is_weight_sum
+    out.is_weight_min = min(out.is_weight_min, part.is_weight_min)
+    out.is_weight_max = max(out.is_weight_max, part.is_weight_max)
+    out.clipped_low += part.clipped_low
+    out.clipped_high += part.clipped_high
 
 
 def lr_at(step: int, cfg: LearnerConfig) -> float:
@@ -181,14 +226,11 @@ def train_step(
     ref_model: nn.Module | None = None,
 ) -> StepStats:
     """Zero grads, accumulate the batch's gradient, clip, set the LR for ``step``, update."""
+    started = time.perf_counter()
     model.train()
     optimizer.zero_grad(set_to_none=True)
     measured = batch_loss(model, batch, cfg, ref_model)
-    return apply_update(
-        optimizer, batch, cfg, step,
-        loss=measured.loss, entropy=measured.entropy,
-        is_tokens=measured.is_tokens, is_clipped=measured.is_clipped,
-    )  # fmt: skip
+    return apply_update(optimizer, batch, cfg, step, measured, started)
 
 
 def apply_update(
@@ -196,13 +238,12 @@ def apply_update(
     batch: Batch,
     cfg: LearnerConfig,
     step: int,
-    *,
-    loss: float,
-    entropy: float,
-    is_tokens: int,
-    is_clipped: int,
+    measured: BatchLoss,
+    started: float,
 ) -> StepStats:
-    """With the batch's gradient in ``.grad``: clip, set the LR for ``step``, update."""
+    """With the batch's gradient in ``.grad``: clip, set the LR for ``step``, update.
+    ``measured``: the whole batch's loss and statistics (summed over ranks when data
+    parallel); ``started``: when the step began (perf_counter), for its wall time."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if cfg.max_grad_norm > 0:
         norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm, foreach=False))
@@ -215,14 +256,25 @@ def apply_update(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     rewards = batch.rewards
+    mean = sum(rewards) / len(rewards) if rewards else 0.0
+    std = math.sqrt(sum((x - mean) ** 2 for x in rewards) / len(rewards)) if rewards else 0.0
+    m, n = measured, max(1, batch.num_tokens)
+    known = m.is_tokens > 0
     return StepStats(
-        loss=loss,
-        entropy=entropy,
-        is_tokens=is_tokens,
-        is_clipped=is_clipped,
+        loss=m.loss,
+        entropy=m.entropy,
+        is_tokens=m.is_tokens,
+        is_clipped=m.is_clipped,
         grad_norm=norm,
         lr=lr,
         tokens=batch.num_tokens,
         sequences=batch.num_sequences,
-        reward_mean=sum(rewards) / len(rewards) if rewards else 0.0,
+        reward_mean=mean,
+        reward_std=std,
+        is_weight_mean=m.is_weight_sum / m.is_tokens if known else 1.0,
+        is_weight_min=m.is_weight_min if known else 1.0,
+        is_weight_max=m.is_weight_max if known else 1.0,
+        clip_low=m.clipped_low / n,
+        clip_high=m.clipped_high / n,
+        seconds=time.perf_counter() - started,
     )

@@ -55,8 +55,9 @@ import structlog
 
 from streamrl.bus.keys import Keys
 from streamrl.config import PolicyConfig
-from streamrl.defaults import DEFAULT_RUN
+from streamrl.defaults import DEFAULT_RUN, RELOAD_ERROR_LOG_EVERY_S
 from streamrl.envs.base import Environment
+from streamrl.log import Repeats
 from streamrl.models.local import require_model_dir
 from streamrl.policy import _chat
 from streamrl.policy._versions import latest_version
@@ -168,6 +169,7 @@ class HFPolicy(Policy):
         self._reload_error: str | None = None
         self._lora_config: dict[str, Any] | None = None
         self._last_check = float("-inf")
+        self._repeats = Repeats(RELOAD_ERROR_LOG_EVERY_S)  # a failing reload retries each batch
 
         self._queue: list[_Pending] = []
         self._runner: asyncio.Task[None] | None = None
@@ -350,7 +352,12 @@ class HFPolicy(Policy):
             await self._maybe_reload()
         except Exception as e:  # a bad checkpoint must not stop rollouts: keep the old weights
             self._reload_error = f"{type(e).__name__}: {e}"
-            log.error("policy reload failed", error=repr(e), run=self.keys.run)
+            skipped = self._repeats.check("reload", self._reload_error)
+            if skipped is not None:
+                log.error(
+                    "policy reload failed", error=repr(e), run=self.keys.run,
+                    policy_version=self._version, repeats_not_logged=skipped,
+                )  # fmt: skip
 
     async def _maybe_reload(self) -> None:
         if self._redis_url is None or time.monotonic() - self._last_check < self.reload_check_s:
@@ -362,7 +369,10 @@ class HFPolicy(Policy):
             return
         await asyncio.to_thread(self._load, latest)
         self._reload_error = None
-        log.info("policy reloaded", version=latest.version, path=latest.path, run=self.keys.run)
+        self._repeats.clear("reload")
+        log.info(
+            "policy reloaded", policy_version=latest.version, path=latest.path, run=self.keys.run
+        )
 
     async def _latest_version(self) -> PolicyVersion | None:
         if self._redis is None:

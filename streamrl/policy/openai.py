@@ -84,8 +84,9 @@ import structlog
 
 from streamrl.bus.keys import Keys
 from streamrl.config import PolicyConfig
-from streamrl.defaults import DEFAULT_RUN
+from streamrl.defaults import DEFAULT_RUN, RELOAD_ERROR_LOG_EVERY_S
 from streamrl.envs.base import Environment
+from streamrl.log import Repeats
 from streamrl.policy import _chat
 from streamrl.policy._versions import latest_version
 from streamrl.policy.base import Policy, PolicyError, PolicyRequest
@@ -193,6 +194,7 @@ class OpenAIPolicy(Policy):
         self._reload_error: str | None = None
         self._adapters: list[str] = []  # adapters this client loaded, oldest first
         self._last_check = float("-inf")
+        self._repeats = Repeats(RELOAD_ERROR_LOG_EVERY_S)  # a failing sync retries every check
         self._sync_lock = asyncio.Lock()
         self._open = asyncio.Event()  # cleared while this client swaps the server's weights
         self._open.set()
@@ -393,9 +395,15 @@ class OpenAIPolicy(Policy):
             try:
                 await self._sync_once()
                 self._reload_error = None
+                self._repeats.clear("sync")
             except Exception as e:  # keep serving the old version; try again later
                 self._reload_error = f"{type(e).__name__}: {e}"
-                log.error("policy sync failed", error=repr(e), server=self.root, run=self.keys.run)
+                skipped = self._repeats.check("sync", self._reload_error)
+                if skipped is not None:
+                    log.error(
+                        "policy sync failed", error=repr(e), server=self.root, run=self.keys.run,
+                        policy_version=self._version, repeats_not_logged=skipped,
+                    )  # fmt: skip
 
     async def refresh(self) -> None:
         await self._maybe_sync()
@@ -448,7 +456,9 @@ class OpenAIPolicy(Policy):
             await self._redis.hset(
                 self._served_key, mapping={"version": pv.version, "model": self._model}
             )
-        log.info("server policy updated", version=pv.version, model=self._model, server=self.root)
+        log.info(
+            "server policy updated", policy_version=pv.version, model=self._model, server=self.root
+        )
 
     async def _load_lora(self, pv: PolicyVersion) -> None:
         name = f"{self.lora_prefix}-v{pv.version}"

@@ -253,7 +253,7 @@ def run_lease(
     if conn.exists(halt):
         return {"halted": True}
     configure()
-    structlog.contextvars.bind_contextvars(run=run, worker=consumer_name(), stage=stage)
+    structlog.contextvars.bind_contextvars(run=run, role=stage, worker=consumer_name())
     if shard is not None:
         structlog.contextvars.bind_contextvars(shard=shard)
     counts = body(conn)

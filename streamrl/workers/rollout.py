@@ -222,7 +222,9 @@ class RolloutLease:
     async def _episode(self, entry: Entry) -> None:
         cfg = self.config
         # each asyncio task runs in its own copy of the context: this binding is per episode
-        structlog.contextvars.bind_contextvars(task_id=entry.task_id, rollout_id=entry.id)
+        structlog.contextvars.bind_contextvars(
+            task_id=entry.task_id, rollout_id=entry.id, policy_version=self.policy.version
+        )
         try:
             if entry.fence > cfg.streams.max_deliveries:
                 await self._deadletter(

@@ -69,6 +69,7 @@ def verify_one(
                 verifier_version=version,
                 policy_versions=traj.policy_versions,
                 scored_at=time.time(),
+                env=traj.env,
             )
         except VerifierTimeout as e:
             last = str(e)
@@ -134,6 +135,7 @@ class VerifyLease:
                     policy_versions=traj.policy_versions,
                     worker=self.consumer,
                     scored_at=time.time(),
+                    env=traj.env,
                 )
             )
         return (e, dead_letter(e, "verify", reason), score)
