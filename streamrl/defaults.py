@@ -116,3 +116,8 @@ ADMISSION_MEMORY_CHECK_S = 0.5
 ADMISSION_SAMPLE_BYTES_PRIOR = 2048
 ADMISSION_DROP_PROBE_S = 60.0
 ADMISSION_TELL_EVERY_S = 5.0
+
+# NeMo Gym resources servers (envs/nemo_gym.py): how much of an error body a failure keeps,
+# and the row field whose recorded output items the scripted policy replays.
+NEMO_GYM_BODY_SNIPPET = 300
+NEMO_GYM_REFERENCE_FIELD = "reference_output"
