@@ -20,6 +20,7 @@ from streamrl.pipeline import LocalPipeline, xrange_all
 from streamrl.producer import Producer
 from streamrl.schema import FunctionCallOutput
 from streamrl.workers import leases
+from tests.support.cli import run_cli
 from tests.support.nemo_gym import by_label, counter_row, resources_server, write_rows
 from tests.support.waiting import wait_for
 
@@ -120,6 +121,46 @@ def test_rollouts_train_on_the_server_and_its_failures_are_dead_letters(
         assert d.stage == stage and what in d.reason and body in d.reason, (label, d.reason)
     assert "after 2 attempts" in dead["tool5xx"].reason
     assert not {"ok1", "ok2", "miss", "flaky"} & set(dead)
+
+    _export_and_reverify(server_url, redis_url, subprocess_env, tmp_path, scores)
+
+
+def _export_and_reverify(server_url, redis_url, subprocess_env, tmp_path, scores) -> None:
+    """The run's rollouts as NeMo Gym rows, re-scored through the server: no drift; rows whose
+    reward or recorded calls were changed show up as drift; a row that is not a rollout is
+    counted, not fatal."""
+    env = {**subprocess_env, "STREAMRL_REDIS_URL": redis_url, "STREAMRL_RUN": "ng"}
+    exported = tmp_path / "rollouts.jsonl"
+    res = run_cli(["export", "--format", "nemo-gym", "-o", str(exported)], env)
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in exported.read_text().splitlines()]
+    assert len(rows) == 8 and all(r["reward"] == 1.0 for r in rows)
+    row = rows[0]
+    assert row["counter"] == row["expected_count"] and row["tool_calls"] >= 1  # /verify's fields
+    assert row["response"]["output"][0]["type"] == "function_call"
+    assert "reference_output" not in row
+
+    def reverify(path):
+        argv = ["reverify", "--nemo-gym-rows", str(path), "--env-option", f"base_url={server_url}"]
+        out = run_cli(argv, env)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    same = reverify(exported)
+    (drift,) = same["drift"]
+    assert (drift["samples"], drift["changed"], drift["failed"]) == (8, 0, 0), same
+    assert same["replayed_outputs_differ"] == 0 and same["unreadable"] == 0
+    rows[0]["reward"] = 0.0  # a recorded reward the server disagrees with
+    calls = [o for o in rows[1]["response"]["output"] if o["type"] == "function_call"]
+    calls[0]["arguments"] = json.dumps({"count": 1000})  # the replayed counter ends elsewhere
+    tampered = tmp_path / "tampered.jsonl"
+    lines = [json.dumps(r) for r in rows] + [json.dumps({"prompt": "no response here"})]
+    tampered.write_text("\n".join(lines) + "\n")
+    changed = reverify(tampered)
+    (drift,) = changed["drift"]
+    assert drift["samples"] == 8 and drift["changed"] == 2, changed
+    assert drift["mean_delta"] == 0.0  # one went up by 1, one down by 1
+    assert changed["unreadable"] == 1 and "not a rollout row" in changed["unreadable_examples"][0]
 
 
 def _session(p, task_id: str) -> schema.Session | None:
