@@ -538,6 +538,45 @@ def bench_pipeline(tasks, group_size, turns, rollout_workers, verify_workers, as
         sys.exit(1)
 
 
+@bench.command("nemo-gym")
+@click.option("--base-url", required=True, help="The resources server (http://host:port).")
+@click.option(
+    "--dataset",
+    type=click.Path(exists=True, dir_okay=False),
+    required=True,
+    help="NeMo Gym rows with a reference_output for the scripted policy to replay.",
+)
+@click.option("--group-size", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="Episodes in flight per rollout worker (and its HTTP connections).",
+)
+@click.option("--rollout-workers", default=1, show_default=True)
+@click.option("--verify-workers", default=1, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench_nemo_gym(
+    base_url, dataset, group_size, concurrency, rollout_workers, verify_workers, as_json
+) -> None:
+    """The whole path through a NeMo Gym resources server, scripted policy: trajectories/s."""
+    from streamrl.bench import nemo_gym_bench
+
+    res = nemo_gym_bench(
+        base_url,
+        dataset,
+        group_size=group_size,
+        concurrency=concurrency,
+        rollout_workers=rollout_workers,
+        verify_workers=verify_workers,
+        progress=None if as_json else lambda m: click.echo(m, err=True),
+    )
+    click.echo(json.dumps(res) if as_json else json.dumps(res, indent=2))
+    if res["lost"] or res["duplicated"]:
+        sys.exit(1)
+
+
 @bench.command("chaos")
 @click.option(
     "--kills", type=click.IntRange(min=0), default=20, show_default=True, help="Worker SIGKILLs."
