@@ -40,7 +40,8 @@ to the server.
 Options: ``base_url`` (required), ``timeout_s`` (30), ``connect_timeout_s`` (5), ``retries``
 (3), ``backoff_s`` (0.2), ``backoff_max_s`` (5), ``max_connections`` (256), ``model`` (the
 model name written into the ``Response`` sent to ``/verify``), ``verifier_version`` (bump it when
-the server's scoring changes, so ``streamrl reverify`` reports the drift).
+the server's scoring changes, so ``streamrl reverify`` reports the drift), ``rows`` (a NeMo
+Gym JSONL file that the generator cycles through, for ``produce --count`` and config runs).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from streamrl.envs.base import (
     Environment,
     EnvUnavailable,
     OptionError,
+    Prompt,
     StepResult,
     Verdict,
 )
@@ -176,6 +178,7 @@ class NemoGymEnv(Environment[NemoGymState]):
         max_connections: Annotated[int, msgspec.Meta(ge=1)] = 256
         model: str = "streamrl"
         verifier_version: str = "1"
+        rows: str = ""  # a NeMo Gym JSONL dataset: the generator cycles through its rows
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
@@ -191,6 +194,7 @@ class NemoGymEnv(Environment[NemoGymState]):
         self._aclient: Any = None
         self._aclient_loop: Any = None
         self._client: Any = None
+        self._rows: list[bytes] | None = None
 
     @property
     def verifier_id(self) -> tuple[str, str]:
@@ -211,6 +215,32 @@ class NemoGymEnv(Environment[NemoGymState]):
         fields = {k: v for k, v in task.data.items() if k not in PRIVATE_FIELDS}
         params = {**self._params(task), "input": input_json(task.input)}
         return {**fields, "responses_create_params": params}
+
+    def generate(self, rng: random.Random, index: int) -> Prompt:
+        """Prompt ``index`` is row ``index % len(rows)`` of the ``rows`` option's file, so
+        ``streamrl produce --env nemo-gym --count N`` (and a config-driven run) can cycle a
+        NeMo Gym dataset for as many prompts as training takes."""
+        from streamrl.producer import row_to_prompt
+
+        if self._rows is None:
+            path = str(self.options.get("rows") or "")
+            if not path:
+                raise NotImplementedError(
+                    "nemo-gym generates prompts only from a dataset: set --env-option rows=FILE "
+                    "(or push the rows with --dataset)"
+                )
+            with open(path, "rb") as f:
+                self._rows = [line for line in f if line.strip()]
+            if not self._rows:
+                raise ValueError(f"nemo-gym rows file {path} has no rows")
+        line = self._rows[index % len(self._rows)]
+        try:
+            items, data, _ = row_to_prompt(line)
+        except ValueError as e:
+            raise ValueError(
+                f"{self.options['rows']}: row {index % len(self._rows) + 1}: {e}"
+            ) from None
+        return Prompt(items, data)
 
     # ---------------------------------------------------------------- HTTP
     def _http(self) -> Any:
