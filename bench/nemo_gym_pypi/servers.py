@@ -9,10 +9,11 @@ the tiny model can be trained through it.
 
 ``counter``: the stateful counter of NeMo Gym's ``example_session_state_mgmt``:
 ``/increment_counter``, ``/get_counter_value``, state per session id (the signed session
-cookie), and ``/verify`` rewards 1.0 when the counter equals the row's ``expected_count``. Its ``/verify`` takes NeMo
-Gym's own ``BaseVerifyRequest`` (``NeMoGymResponseCreateParamsNonStreaming`` and
-``NeMoGymResponse``), so what streamrl sends is validated by NeMo Gym's pydantic models.
-``GET /_sessions`` shows the server-side state.
+cookie), and ``/verify`` rewards 1.0 when the counter equals the row's ``expected_count``.
+
+Both ``/verify`` endpoints take NeMo Gym's own ``BaseVerifyRequest``
+(``NeMoGymResponseCreateParamsNonStreaming`` and ``NeMoGymResponse``), so what streamrl sends
+is validated by NeMo Gym's pydantic models. ``GET /_sessions`` shows the counter's state.
 """
 
 from __future__ import annotations
