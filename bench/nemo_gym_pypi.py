@@ -208,11 +208,13 @@ def copy_part(python: str, tmp: Path, steps: int, seconds: float) -> dict:
             seconds=seconds, target=None, live=False, config=config, max_steps=steps,
             directory=tmp / "copy-run",
         )  # fmt: skip
+        verifies = server.sessions()["verified"]
     finally:
         server.stop()
     keep = ("reward_first", "reward_last", "learner_steps", "seconds", "groups_trained")
     out = {k: res.get(k) for k in keep}
-    out["ok"] = (res.get("learner_steps") or 0) >= steps
+    out["server_verifies"] = verifies  # every reward came from the nemo-gym server's /verify
+    out["ok"] = (res.get("learner_steps") or 0) >= steps and verifies > 0
     return out
 
 

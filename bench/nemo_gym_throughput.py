@@ -3,6 +3,7 @@ figure of the in-process ``counter`` environment with the same number of turns.
 
     python bench/nemo_gym_throughput.py [--prompts 500] [--group-size 4]
                                         [--concurrency 64 256] [--adds 2]
+                                        [--verify-workers 1]
 
 Starts the test suite's resources server (tests/support/nemo_gym_server.py: FastAPI,
 SessionMiddleware, a stateful counter; one uvicorn process) on a free port, writes NeMo Gym
@@ -36,6 +37,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--adds", type=int, default=2, help="tool calls per episode")
+    ap.add_argument("--verify-workers", type=int, default=1)
     args = ap.parse_args()
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     rng = random.Random(0)
@@ -51,14 +53,17 @@ def main() -> None:
         with resources_server(Path(tmp) / "server") as url:
             for c in args.concurrency:
                 say(f"nemo-gym, concurrency {c}")
-                res = nemo_gym_bench(url, str(dataset), args.group_size, c, progress=say)
+                res = nemo_gym_bench(
+                    url, str(dataset), args.group_size, c,
+                    verify_workers=args.verify_workers, progress=say,
+                )  # fmt: skip
                 out[f"nemo_gym_c{c}"] = res
                 say(json.dumps(res))
         for c in args.concurrency:
             say(f"scripted counter baseline, concurrency {c}")
             res = pipeline_bench(
                 tasks=args.prompts, group_size=args.group_size, turns=args.adds + 1,
-                max_concurrent=c, progress=say,
+                max_concurrent=c, verify_workers=args.verify_workers, progress=say,
             )  # fmt: skip
             out[f"scripted_counter_c{c}"] = res
             say(json.dumps(res))

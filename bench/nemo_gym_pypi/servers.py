@@ -126,6 +126,16 @@ class CopyVerifyResponse(BaseVerifyResponse):
 
 
 class CopyResourcesServer(SimpleResourcesServer):
+    verified: int = 0
+
+    def setup_webserver(self) -> FastAPI:
+        app = super().setup_webserver()
+        app.get("/_sessions")(self.sessions)  # what the driver polls to see the server is up
+        return app
+
+    async def sessions(self) -> dict:
+        return {"verified": self.verified}
+
     async def verify(self, body: CopyVerifyRequest) -> CopyVerifyResponse:
         text = ""
         for item in body.response.output:
@@ -134,6 +144,7 @@ class CopyResourcesServer(SimpleResourcesServer):
                 and getattr(item, "role", "") == "assistant"
             ):
                 text = "".join(getattr(part, "text", "") for part in item.content)
+        self.verified += 1
         words = text.split()
         hits = sum(1 for i, a in enumerate(body.answer) if i < len(words) and words[i] == a)
         return CopyVerifyResponse(**body.model_dump(), reward=hits / len(body.answer), hits=hits)
