@@ -1,6 +1,6 @@
-"""``streamrl bench pipeline``: the whole path (producer -> rq rollout workers -> rq verifier
-workers -> groups) on a private Redis with the scripted policy, timed from the first task
-pushed to the last group written. Prints one JSON object.
+"""``streamrl bench pipeline`` / ``streamrl bench nemo-gym``: the whole path (producer -> rq
+rollout workers -> rq verifier workers -> groups) on a private Redis with the scripted policy,
+timed from the first task pushed to the last group written. Prints one JSON object.
 
 CPU is the user+system time of every process involved (this producer, the rq workers and their
 work horses, redis-server) over the timed window, read from /proc; ``redis_cpu_ms_per_trajectory``
@@ -16,6 +16,7 @@ from collections.abc import Callable
 import redis
 
 from streamrl.config import PolicyConfig, RolloutConfig, RunConfig, VerifyConfig
+from streamrl.defaults import MAX_CONCURRENT_EPISODES, READ_BATCH
 from streamrl.envs import make_env
 from streamrl.pipeline import LocalPipeline, task_ids
 from streamrl.procs import self_cpu, tree_cpu
@@ -37,42 +38,105 @@ def pipeline_bench(
     verify_workers: int = 1,
     timeout_s: float = 600.0,
     progress: Callable[[str], None] | None = None,
+    max_concurrent: int = MAX_CONCURRENT_EPISODES,
 ) -> dict:
-    say = progress or (lambda m: None)
     cfg = RunConfig(
         run="bench",
         env="counter",
         group_size=group_size,
         env_options={"steps": turns - 1},
         policy=PolicyConfig(backend="scripted", wrong_rate=0.25),
-        rollout=RolloutConfig(max_turns=turns + 1, lease_seconds=timeout_s),
+        rollout=RolloutConfig(
+            max_turns=turns + 1, lease_seconds=timeout_s, max_concurrent=max_concurrent
+        ),
         verify=VerifyConfig(lease_seconds=timeout_s),
     )
+    env = make_env("counter", steps=turns - 1)
+
+    def push(p: LocalPipeline) -> None:
+        Producer(p.r, cfg.run).from_env(env, tasks, group_size, seed=0)
+
+    res = _timed(
+        cfg, push, task_ids("counter", 0, tasks, group_size), rollout_workers, verify_workers,
+        timeout_s, progress,
+    )  # fmt: skip
+    return {"tasks": tasks, "group_size": group_size, "turns": turns, **res}
+
+
+def nemo_gym_bench(
+    base_url: str,
+    dataset: str,
+    group_size: int = 4,
+    concurrency: int = 64,
+    rollout_workers: int = 1,
+    verify_workers: int = 1,
+    timeout_s: float = 600.0,
+    progress: Callable[[str], None] | None = None,
+    max_turns: int = 16,
+) -> dict:
+    """The same path with the ``nemo-gym`` environment: every seed, tool call and verify is an
+    HTTP request to the resources server at ``base_url`` (its own cost is in the time, and in
+    ``cpu_seconds`` only if it runs under this process tree: it does not). ``dataset`` holds
+    NeMo Gym rows with a ``reference_output`` for the scripted policy to replay."""
+    from streamrl.producer import row_to_prompt
+
+    with open(dataset, "rb") as f:
+        ids = [row_to_prompt(line)[2] for line in f if line.strip()]
+    cfg = RunConfig(
+        run="bench-nemo-gym",
+        env="nemo-gym",
+        group_size=group_size,
+        env_options={"base_url": base_url, "max_connections": concurrency},
+        policy=PolicyConfig(backend="scripted", wrong_rate=0.0),
+        rollout=RolloutConfig(
+            max_turns=max_turns,
+            lease_seconds=timeout_s,
+            max_concurrent=concurrency,
+            read_batch=min(READ_BATCH, concurrency),
+        ),
+        verify=VerifyConfig(lease_seconds=timeout_s),
+    )
+
+    def push(p: LocalPipeline) -> None:
+        Producer(p.r, cfg.run).from_jsonl(dataset, "nemo-gym", group_size)
+
+    expected = {f"{pid}:{k}" for pid in ids for k in range(group_size)}
+    res = _timed(cfg, push, expected, rollout_workers, verify_workers, timeout_s, progress)
+    return {"prompts": len(ids), "group_size": group_size, "concurrency": concurrency, **res}
+
+
+def _timed(
+    cfg: RunConfig,
+    push: Callable[[LocalPipeline], None],
+    expected: set[str],
+    rollout_workers: int,
+    verify_workers: int,
+    timeout_s: float,
+    progress: Callable[[str], None] | None,
+) -> dict:
+    say = progress or (lambda m: None)
     with LocalPipeline(cfg) as p:
         p.start_workers(rollout_workers, verify_workers, seconds=timeout_s)
         say(f"waiting for {rollout_workers} rollout + {verify_workers} verifier workers")
         p.wait_ready(rollout_workers, verify_workers)
-        env = make_env("counter", steps=turns - 1)
         assert p.server is not None and p.server.proc is not None and p.procs is not None
         roots = [p.server.proc.pid] + [proc.pid for _, proc in p.procs.procs]
         p.r.config_resetstat()
         cpu0 = tree_cpu(roots) + self_cpu()
         redis0 = tree_cpu(roots[:1])
         t0 = time.perf_counter()
-        Producer(p.r, cfg.run).from_env(env, tasks, group_size, seed=0)
-        say(f"pushed {tasks} prompts x {group_size} samples")
-        p.wait_groups(tasks, timeout=timeout_s)
+        push(p)
+        n = len(expected)
+        say(f"pushed {n} samples")
+        p.wait_groups(n // cfg.group_size, timeout=timeout_s)
         elapsed = time.perf_counter() - t0
         cpu = tree_cpu(roots) + self_cpu() - cpu0
         redis_cpu = tree_cpu(roots[:1]) - redis0
         commands, script_calls = _commands(p.r)
         p.stop()
-        acc = p.account(task_ids("counter", 0, tasks, group_size))
-        n = tasks * group_size
+        acc = p.account(expected)
         return {
-            "tasks": tasks,
-            "group_size": group_size,
-            "turns": turns,
+            "max_concurrent": cfg.rollout.max_concurrent,
             "rollout_workers": rollout_workers,
             "verify_workers": verify_workers,
             "trajectories": acc.scored,

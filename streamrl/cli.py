@@ -562,14 +562,111 @@ def replay(c: Ctx, stage: str, offset: str, shard: int | None) -> None:
 @click.option(
     "--limit", type=click.IntRange(min=1), default=None, help="At most this many samples."
 )
+@click.option(
+    "--nemo-gym-rows",
+    "rows",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Re-score NeMo Gym rollout rows (JSONL with response and reward) instead of the run.",
+)
+@click.option(
+    "--env",
+    "env_name",
+    default="nemo-gym",
+    show_default=True,
+    help="With --nemo-gym-rows: the environment whose verifier re-scores them.",
+)
 @env_option
 @pass_ctx
-def reverify(c: Ctx, start: str, limit: int | None, env_options: dict) -> None:
-    """Re-score stored trajectories with today's verifiers and print the drift as JSON."""
-    from streamrl.verifiers.drift import drift_report
+def reverify(
+    c: Ctx, start: str, limit: int | None, rows: str | None, env_name: str, env_options: dict
+) -> None:
+    """Re-score stored trajectories (or NeMo Gym rollout rows) with today's verifiers and print
+    the drift as JSON."""
+    from streamrl.verifiers.drift import drift_report, rows_drift_report
 
-    report = drift_report(c.client(), c.run, start, limit, env_options=env_options)
+    if rows is not None:
+        from streamrl.envs.registry import UnknownEnvironment
+
+        try:
+            report = rows_drift_report(rows, env_name, env_options, limit)
+        except (UnknownEnvironment, ValueError) as e:
+            raise click.ClickException(str(e)) from None
+    else:
+        report = drift_report(c.client(), c.run, start, limit, env_options=env_options)
     click.echo(json.dumps(report, indent=2))
+
+
+@main.command()
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["nemo-gym", "sft", "dpo"]),
+    required=True,
+    help="nemo-gym: NeMo Gym rollout rows; sft: best sample per prompt as chat messages; "
+    "dpo: best/worst pair per prompt.",
+)
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(dir_okay=False, writable=True),
+    default="-",
+    show_default=True,
+    help="JSONL file to write (- for stdout).",
+)
+@click.option(
+    "--from", "start", type=StreamId("-"), default="-", help="First groups-stream ID to export."
+)
+@click.option(
+    "--to", "end", type=StreamId("+"), default="+", help="Last groups-stream ID to export."
+)
+@click.option("--min-reward", type=float, default=None, help="Leave out samples below this.")
+@click.option(
+    "--min-policy-version", type=click.IntRange(min=0), default=None, help="Oldest version kept."
+)
+@click.option(
+    "--max-policy-version", type=click.IntRange(min=0), default=None, help="Newest version kept."
+)
+@click.option(
+    "--min-margin",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="dpo: chosen must out-score rejected by more than this.",
+)
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many rows.")
+@pass_ctx
+def export(
+    c: Ctx,
+    fmt: str,
+    output: str,
+    start: str,
+    end: str,
+    min_reward: float | None,
+    min_policy_version: int | None,
+    max_policy_version: int | None,
+    min_margin: float,
+    limit: int | None,
+) -> None:
+    """Write the run's scored groups as JSON lines for NeMo Gym, TRL's SFTTrainer or DPOTrainer
+    (a summary goes to stderr)."""
+    from streamrl.export import ExportFilter, export_rows
+
+    flt = ExportFilter(
+        start=start,
+        end=end,
+        min_reward=min_reward,
+        min_version=min_policy_version,
+        max_version=max_policy_version,
+        min_margin=min_margin,
+    )
+    rows, res = export_rows(c.client(), c.run, fmt, flt, limit)
+    out = click.open_file(output, "w", encoding="utf-8", atomic=output != "-")
+    with out:
+        for row in rows:
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+    summary = {"format": res.format, "groups": res.groups, "rows": res.rows, "output": output}
+    click.echo(json.dumps({**summary, "skipped": res.skipped}), err=True)
 
 
 @main.group()
@@ -638,6 +735,45 @@ def bench_sessions(sessions, turns, latency_s, rollout_workers, verify_workers, 
     )
     click.echo(json.dumps(res) if as_json else json.dumps(res, indent=2))
     if res["lost"] or res["duplicated"] or res["dead_letters"]:
+        sys.exit(1)
+
+
+@bench.command("nemo-gym")
+@click.option("--base-url", required=True, help="The resources server (http://host:port).")
+@click.option(
+    "--dataset",
+    type=click.Path(exists=True, dir_okay=False),
+    required=True,
+    help="NeMo Gym rows with a reference_output for the scripted policy to replay.",
+)
+@click.option("--group-size", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="Episodes in flight per rollout worker (and its HTTP connections).",
+)
+@click.option("--rollout-workers", default=1, show_default=True)
+@click.option("--verify-workers", default=1, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench_nemo_gym(
+    base_url, dataset, group_size, concurrency, rollout_workers, verify_workers, as_json
+) -> None:
+    """The whole path through a NeMo Gym resources server, scripted policy: trajectories/s."""
+    from streamrl.bench import nemo_gym_bench
+
+    res = nemo_gym_bench(
+        base_url,
+        dataset,
+        group_size=group_size,
+        concurrency=concurrency,
+        rollout_workers=rollout_workers,
+        verify_workers=verify_workers,
+        progress=None if as_json else lambda m: click.echo(m, err=True),
+    )
+    click.echo(json.dumps(res) if as_json else json.dumps(res, indent=2))
+    if res["lost"] or res["duplicated"]:
         sys.exit(1)
 
 

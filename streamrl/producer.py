@@ -745,7 +745,8 @@ def row_to_prompt(line: str | bytes) -> tuple[list[schema.Item], dict[str, Any],
     """A JSONL row -> (input items, verifier data, prompt id or "").
 
     Accepted shapes: NeMo Gym rows (``responses_create_params.input`` as a string or a list of
-    Responses items; every other top-level field becomes verifier data), or plain rows with a
+    Responses items; every other top-level field becomes verifier data, and so do the params'
+    other fields, ``tools`` included, under ``responses_create_params``), or plain rows with a
     ``prompt`` (string) or ``input`` (items). An optional ``id`` names the prompt and ``env``
     picks the environment for this row.
     """
@@ -792,6 +793,10 @@ def row_to_prompt(line: str | bytes) -> tuple[list[schema.Item], dict[str, Any],
     if not any(isinstance(x, schema.Message) and x.content.strip() for x in items):
         raise ValueError("empty prompt: no message with text")
     pid = str(row.pop("id", "") or "")
+    if isinstance(params, dict) and set(params) - {"input"}:
+        # tools and sampling settings: the nemo-gym environment offers these tools and sends
+        # the whole params (input rebuilt from the task's items) to /seed_session and /verify
+        row["responses_create_params"] = {k: v for k, v in params.items() if k != "input"}
     row.pop("response", None)
     row.pop("reward", None)
     return items, row, pid

@@ -170,6 +170,10 @@ class Score(_Base, kw_only=True):
     reward: float | None
     components: dict[str, float] = msgspec.field(default_factory=dict)
     details: dict[str, str] = msgspec.field(default_factory=dict)
+    # Anything else the verifier answered, as JSON values: a NeMo Gym resources server's whole
+    # /verify answer (``failure_kind``, its own metrics, ...). Omitted when empty, so Scores
+    # written before it existed decode unchanged.
+    info: dict[str, Any] = msgspec.field(default_factory=dict)
     verifier: str = ""
     verifier_version: str = ""
     failure: str | None = None

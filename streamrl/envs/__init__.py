@@ -2,6 +2,7 @@
 
 from streamrl.envs.base import (
     Environment,
+    EnvUnavailable,
     Prompt,
     ReplyResult,
     StepResult,
@@ -14,6 +15,7 @@ from streamrl.envs.base import (
 from streamrl.envs.registry import available, env_class, make_env
 
 __all__ = [
+    "EnvUnavailable",
     "Environment",
     "Prompt",
     "ReplyResult",

@@ -45,10 +45,17 @@ class Verdict(msgspec.Struct, kw_only=True):
     reward: float
     components: dict[str, float] = msgspec.field(default_factory=dict)
     details: dict[str, str] = msgspec.field(default_factory=dict)
+    info: dict[str, Any] = msgspec.field(default_factory=dict)  # other JSON the verifier kept
 
 
 class ToolError(Exception):
     """Raised by a tool for a mistake the model made; the message goes back to the model."""
+
+
+class EnvUnavailable(Exception):
+    """The service behind an environment failed (connection, timeout, 5xx, a malformed answer)
+    after its retries: infrastructure, never the model's fault. A rollout dead-letters its task
+    with this message, a verifier's failure is dead-lettered with it; it is never a reward."""
 
 
 class OptionError(ValueError):
@@ -107,6 +114,11 @@ class Environment(Generic[S]):
                 msg = f"{name}={options[name]!r}: {msg}"
             raise OptionError(f"environment {label!r} option {msg}") from None
 
+    def tools_for(self, task: Task) -> list[FunctionTool]:
+        """The tools the model sees in this task: the class's ``tools`` unless the task brings
+        its own (a NeMo Gym row's ``responses_create_params.tools``)."""
+        return self.tools
+
     # -- tasks
     def generate(self, rng: random.Random, index: int) -> Prompt:
         raise NotImplementedError(f"environment {self.name!r} has no task generator")
@@ -144,6 +156,18 @@ class Environment(Generic[S]):
         if isinstance(item, Message) and item.role == "assistant":
             return Message(role="assistant", content=perturb_answer(item.content))
         return item
+
+    # -- the episode as the rollout worker drives it: environments whose steps wait on a
+    # service (HTTP) override these so that a worker's concurrent episodes do not block
+    # each other; the defaults run the plain methods.
+    async def areset(self, task: Task) -> S:
+        return self.reset(task)
+
+    async def acall_tool(self, task: Task, state: S, call: FunctionCall) -> StepResult:
+        return self.call_tool(state, call)
+
+    async def aclose(self) -> None:
+        """Release what the async methods opened (a connection pool) at a lease's end."""
 
     # -- plumbing the workers use
     def encode_state(self, state: S) -> bytes:

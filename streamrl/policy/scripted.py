@@ -44,8 +44,8 @@ class ScriptedPolicy(Policy):
         task = request.task
         env = self.env_for(task.env) if self.env_for is not None else self.env
         malformed = _fraction(task.task_id, "malformed") < self.config.malformed_rate
-        if request.turn == 0 and malformed and env.tools:
-            item = FunctionCall(call_id="call_bad", name=env.tools[0].name, arguments="{n: ")
+        if request.turn == 0 and malformed and request.tools:
+            item = FunctionCall(call_id="call_bad", name=request.tools[0].name, arguments="{n: ")
         else:
             item = env.reference(task, request.items, request.state)
             if isinstance(item, Message) and _fraction(task.task_id, "wrong") < (

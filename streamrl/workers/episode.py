@@ -45,6 +45,17 @@ def new_session(env: Environment, task: Task) -> Session:
     )
 
 
+async def anew_session(env: Environment, task: Task) -> Session:
+    """``new_session`` through the environment's async reset (a service may seed a session)."""
+    state = await env.areset(task)
+    return Session(
+        task_id=task.task_id,
+        items=list(task.input),
+        state=env.encode_state(state),
+        started_at=time.time(),
+    )
+
+
 def _final_text(items: list) -> str | None:
     for item in reversed(items):
         if isinstance(item, Message) and item.role == "assistant":
@@ -62,6 +73,7 @@ async def run_episode(
     worker: str = "",
 ) -> Trajectory:
     state = env.decode_state(session.state)
+    tools = env.tools_for(task)
     status: TrajectoryStatus = "completed"
     while True:
         turn = len(session.turns)
@@ -69,9 +81,7 @@ async def run_episode(
             status = "truncated"
             break
         t0 = time.perf_counter()
-        request = PolicyRequest(
-            task=task, items=session.items, tools=env.tools, state=state, turn=turn
-        )
+        request = PolicyRequest(task=task, items=session.items, tools=tools, state=state, turn=turn)
         try:
             model_turn = await policy.respond(request)
         except PolicyError:
@@ -89,7 +99,7 @@ async def run_episode(
         if calls:
             t1 = time.perf_counter()
             for call in calls:
-                result = env.call_tool(state, call)
+                result = await env.acall_tool(task, state, call)
                 state = result.state
                 session.items.append(FunctionCallOutput(call_id=call.call_id, output=result.output))
             session.tool_seconds += time.perf_counter() - t1

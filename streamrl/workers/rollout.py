@@ -39,7 +39,7 @@ from streamrl.bus.streams import (
 )
 from streamrl.config import RunConfig
 from streamrl.defaults import ROLLOUT_GROUP, ROLLOUT_QUEUE
-from streamrl.envs import make_env
+from streamrl.envs import EnvUnavailable, make_env
 from streamrl.policy import PolicyError, make_policy
 from streamrl.policy._versions import latest_version
 from streamrl.workers import leases
@@ -51,7 +51,7 @@ from streamrl.workers.context import (
     data_url,
     read_config,
 )
-from streamrl.workers.episode import LostClaim, finish, new_session, run_episode
+from streamrl.workers.episode import LostClaim, anew_session, finish, run_episode
 
 log = structlog.get_logger("streamrl.rollout")
 
@@ -249,7 +249,7 @@ class RolloutLease:
             try:
                 env = self._env(task.env)
                 if session is None:
-                    session = new_session(env, task)
+                    session = await anew_session(env, task)
                 traj = await run_episode(
                     env,
                     self.policy,
@@ -261,6 +261,11 @@ class RolloutLease:
                 )
             except (LostClaim, PolicyError, asyncio.CancelledError):
                 raise
+            except EnvUnavailable as e:
+                # the environment's service failed after its own retries: infrastructure, so
+                # the task is dead-lettered with the service's answer, never scored
+                await self._deadletter(entry, f"environment unavailable: {e}")
+                return
             except Exception as e:  # the environment broke on this task: a failed trajectory
                 if session is None:
                     session = schema.Session(task_id=task.task_id, items=list(task.input))
@@ -332,6 +337,11 @@ class RolloutLease:
                 if task is not None:
                     task.cancel()
             await self.policy.close()
+            for env in self.envs.values():
+                try:
+                    await env.aclose()
+                except Exception as e:  # a pool that will not close must not fail the lease
+                    log.warning("environment close failed", env=env.name, error=repr(e))
         if self.stale is not None:
             log.error("policy too stale; lease fails", reason=self.stale, **self.counts)
             raise health.PolicyStale(self.stale)

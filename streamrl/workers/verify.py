@@ -65,6 +65,7 @@ def verify_one(
                 reward=reward,
                 components=verdict.components,
                 details=verdict.details,
+                info=verdict.info,
                 verifier=name,
                 verifier_version=version,
                 policy_versions=traj.policy_versions,

@@ -1,0 +1,465 @@
+"""``nemo-gym``: any NeMo Gym *resources server* as a streamrl environment.
+
+A resources server is an HTTP service: ``POST /seed_session`` starts a rollout's state,
+``POST /<tool_name>`` runs one tool, ``POST /verify`` scores the finished rollout, and the
+rollout's state lives behind a signed session cookie (Starlette's ``SessionMiddleware``; the
+cookie carries a session id, the server keeps the state). This environment speaks that protocol
+the way NeMo Gym's own ``simple_agent`` does:
+
+- tasks are NeMo Gym rows (``streamrl produce --dataset rows.jsonl --env nemo-gym``); the model
+  sees the row's ``responses_create_params.tools``;
+- ``/seed_session`` gets the row (``responses_create_params`` and every other field) before the
+  first model turn; each tool call is ``POST /<name>`` with the call's JSON arguments, and the
+  response body, as text, is the tool's output; ``/verify`` gets the row plus ``response``, an
+  OpenAI ``Response`` whose ``output`` holds the whole episode after the input;
+- the cookie jar is part of the episode's state Struct, so it is checkpointed to Redis with the
+  session after every turn: a rollout worker that dies is replaced by another that resumes with
+  the same cookies, and the server sees one continuous session. (A tool call made after the
+  last checkpoint is made again on resume, as the turn that made it is run again.)
+
+Failures. Connection errors, timeouts, 408/425/429/5xx and malformed answers (``/seed_session``
+or ``/verify`` not a JSON object, a missing or non-finite ``reward``) are retried ``retries``
+times with exponential backoff, then raise ``EnvUnavailable`` with the HTTP status and a
+snippet of the body: the rollout worker dead-letters the task, the verifier worker retries and
+dead-letters the sample. Never a reward of 0. A 4xx answer to a tool call is the model's
+mistake (an unknown argument, a bad value): its body goes back to the model as the tool's
+output, as NeMo Gym's agent does. A 4xx from ``/seed_session`` or ``/verify`` means the request
+itself is wrong for this server: no retry, a failure with the server's message. A ``/verify``
+answer with ``mask_sample: true`` (NeMo Gym's way of saying its reward is not a valid
+measurement, e.g. a judge was down) is a failure too.
+
+The Score keeps the whole ``/verify`` answer in ``info`` except ``responses_create_params`` and
+``response``, which are the request echoed back (``BaseVerifyResponse`` extends the request) and
+are rebuilt from the trajectory by ``streamrl export --format nemo-gym``. Numeric top-level
+fields and ``reward_components`` also go to ``components``, string ones to ``details``.
+
+The scripted policy (tests, benchmarks) replays a row's ``reference_output``: Responses output
+items whose model-side items (calls, messages) it emits one per turn; this field is never sent
+to the server.
+
+Options: ``base_url`` (required), ``timeout_s`` (30), ``connect_timeout_s`` (5), ``retries``
+(3), ``backoff_s`` (0.2), ``backoff_max_s`` (5), ``max_connections`` (256), ``model`` (the
+model name written into the ``Response`` sent to ``/verify``), ``verifier_version`` (bump it when
+the server's scoring changes, so ``streamrl reverify`` reports the drift), ``rows`` (a NeMo
+Gym JSONL file that the generator cycles through, for ``produce --count`` and config runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import random
+import time
+import urllib.parse
+from email.utils import parsedate_to_datetime
+from http.cookiejar import CookieJar, DefaultCookiePolicy
+from http.cookies import CookieError, SimpleCookie
+from typing import Annotated, Any, NamedTuple
+
+import msgspec
+
+from streamrl.defaults import NEMO_GYM_BODY_SNIPPET, NEMO_GYM_REFERENCE_FIELD
+from streamrl.envs.base import (
+    Environment,
+    EnvUnavailable,
+    OptionError,
+    Prompt,
+    StepResult,
+    Verdict,
+)
+from streamrl.responses import input_json, items_from_json, response_json, tools_from_json
+from streamrl.schema import (
+    FunctionCall,
+    FunctionCallOutput,
+    FunctionTool,
+    Item,
+    Message,
+    Task,
+    Trajectory,
+)
+
+RETRY_STATUS = frozenset({408, 425, 429})
+# row fields that are streamrl's own and never reach the server
+PRIVATE_FIELDS = frozenset({NEMO_GYM_REFERENCE_FIELD})
+# the request, echoed back in every /verify answer (BaseVerifyResponse extends the request)
+ECHOED_FIELDS = frozenset({"responses_create_params", "response"})
+
+
+class NemoGymState(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a rollout needs of its server session, checkpointed with the episode."""
+
+    seeded: bool = False
+    cookies: dict[str, str] = msgspec.field(default_factory=dict)  # the session's cookie jar
+    seed_response: Any = None  # what /seed_session answered
+
+
+class _Answer(NamedTuple):
+    status: int
+    body: bytes
+    cookies: dict[str, str]
+    parsed: Any
+
+
+class _Malformed(Exception):
+    pass
+
+
+def snippet(body: bytes | str) -> str:
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    text = " ".join(text.split())
+    n = NEMO_GYM_BODY_SNIPPET
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def merge_cookies(jar: dict[str, str], set_cookie: list[str]) -> dict[str, str]:
+    """The jar after a response's ``Set-Cookie`` headers (one host, so name -> value; a cookie
+    that expires now, as Starlette clears an emptied session, is removed)."""
+    if not set_cookie:
+        return jar
+    jar = dict(jar)
+    for header in set_cookie:
+        parsed = SimpleCookie()
+        try:
+            parsed.load(header)
+        except CookieError:
+            continue
+        for name, morsel in parsed.items():
+            expired = morsel["max-age"] in ("0", "-1")
+            if morsel["expires"]:
+                with contextlib.suppress(TypeError, ValueError):
+                    when = parsedate_to_datetime(morsel["expires"]).timestamp()
+                    expired = expired or when <= time.time()
+            if expired:
+                jar.pop(name, None)
+            else:
+                jar[name] = morsel.value
+    return jar
+
+
+def _cookie_header(jar: dict[str, str]) -> dict[str, str]:
+    return {"cookie": "; ".join(f"{k}={v}" for k, v in jar.items())} if jar else {}
+
+
+def _json_object(body: bytes, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _Malformed(f"{what} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise _Malformed(f"{what} is not a JSON object but {type(value).__name__}")
+    return value
+
+
+def _verify_answer(body: bytes) -> dict[str, Any]:
+    answer = _json_object(body, "the /verify answer")
+    reward = answer.get("reward")
+    if isinstance(reward, bool) or not isinstance(reward, int | float):
+        raise _Malformed(f"the /verify answer has no numeric reward (reward={reward!r})")
+    if not math.isfinite(reward):
+        raise _Malformed(f"the /verify answer's reward is not finite ({reward!r})")
+    return answer
+
+
+class NemoGymEnv(Environment[NemoGymState]):
+    name = "nemo-gym"
+    version = "1"
+    verifier_name = "nemo-gym"
+    State = NemoGymState
+
+    class Options(msgspec.Struct, kw_only=True):
+        base_url: str = ""
+        timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+        connect_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+        retries: Annotated[int, msgspec.Meta(ge=0, le=20)] = 3
+        backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 0.2
+        backoff_max_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+        max_connections: Annotated[int, msgspec.Meta(ge=1)] = 256
+        model: str = "streamrl"
+        verifier_version: str = "1"
+        rows: str = ""  # a NeMo Gym JSONL dataset: the generator cycles through its rows
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        url = str(self.options["base_url"]).rstrip("/")
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise OptionError(
+                "environment 'nemo-gym' needs base_url, the resources server's address "
+                f"(http://host:port), got {self.options['base_url']!r}: pass "
+                "--env-option base_url=http://127.0.0.1:8000"
+            )
+        self.base_url = url
+        self._aclient: Any = None
+        self._aclient_loop: Any = None
+        self._client: Any = None
+        self._rows: list[bytes] | None = None
+
+    @property
+    def verifier_id(self) -> tuple[str, str]:
+        return (self.verifier_name, str(self.options["verifier_version"]))
+
+    # ---------------------------------------------------------------- the task's row
+    def tools_for(self, task: Task) -> list[FunctionTool]:
+        return tools_from_json(self._params(task).get("tools"))
+
+    def _params(self, task: Task) -> dict[str, Any]:
+        params = task.data.get("responses_create_params") or {}
+        if not isinstance(params, dict):
+            raise ValueError("responses_create_params must be an object")
+        return params
+
+    def row(self, task: Task) -> dict[str, Any]:
+        """The NeMo Gym row this task came from, as the server's request models read it."""
+        fields = {k: v for k, v in task.data.items() if k not in PRIVATE_FIELDS}
+        params = {**self._params(task), "input": input_json(task.input)}
+        return {**fields, "responses_create_params": params}
+
+    def generate(self, rng: random.Random, index: int) -> Prompt:
+        """Prompt ``index`` is row ``index % len(rows)`` of the ``rows`` option's file, so
+        ``streamrl produce --env nemo-gym --count N`` (and a config-driven run) can cycle a
+        NeMo Gym dataset for as many prompts as training takes."""
+        from streamrl.producer import row_to_prompt
+
+        if self._rows is None:
+            path = str(self.options.get("rows") or "")
+            if not path:
+                raise NotImplementedError(
+                    "nemo-gym generates prompts only from a dataset: set --env-option rows=FILE "
+                    "(or push the rows with --dataset)"
+                )
+            with open(path, "rb") as f:
+                self._rows = [line for line in f if line.strip()]
+            if not self._rows:
+                raise ValueError(f"nemo-gym rows file {path} has no rows")
+        line = self._rows[index % len(self._rows)]
+        try:
+            items, data, _ = row_to_prompt(line)
+        except ValueError as e:
+            raise ValueError(
+                f"{self.options['rows']}: row {index % len(self._rows) + 1}: {e}"
+            ) from None
+        return Prompt(items, data)
+
+    # ---------------------------------------------------------------- HTTP
+    def _http(self) -> Any:
+        from streamrl.policy.openai import _http
+
+        return _http()
+
+    def _client_kwargs(self) -> dict[str, Any]:
+        http = self._http()
+        o = self.options
+        # the client's own jar accepts nothing: every session's cookies travel in its state
+        jar = CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
+        return {
+            "timeout": http.Timeout(o["timeout_s"], connect=o["connect_timeout_s"]),
+            "limits": http.Limits(
+                max_connections=o["max_connections"],
+                max_keepalive_connections=o["max_connections"],
+            ),
+            "cookies": jar,
+            "trust_env": False,  # a resources server is a local service: no proxy
+        }
+
+    def _async_client(self) -> Any:
+        loop = asyncio.get_running_loop()
+        if self._aclient is None or self._aclient_loop is not loop:
+            self._aclient = self._http().AsyncClient(**self._client_kwargs())
+            self._aclient_loop = loop
+        return self._aclient
+
+    def _sync_client(self) -> Any:
+        if self._client is None:
+            self._client = self._http().Client(**self._client_kwargs())
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._aclient is not None:
+            client, self._aclient = self._aclient, None
+            await client.aclose()
+
+    def _backoff(self, attempt: int) -> float:
+        o = self.options
+        base = min(o["backoff_max_s"], o["backoff_s"] * 2 ** (attempt - 1))
+        return base * (0.5 + random.random() / 2)
+
+    def _outcome(self, path: str, resp: Any, jar: dict, parse: Any, tool: bool) -> Any:
+        """An _Answer, or a string saying why to try again; raises on a final client error."""
+        status = resp.status_code
+        jar = merge_cookies(jar, resp.headers.get_list("set-cookie"))
+        if status in RETRY_STATUS or status >= 500:
+            return f"HTTP {status} from POST {path}: {snippet(resp.content)}"
+        if 400 <= status < 500:
+            if tool:  # the model's mistake: the body is the tool's error output
+                return _Answer(status, resp.content, jar, None)
+            raise EnvUnavailable(
+                f"HTTP {status} from POST {path} (the server refused the request; not "
+                f"retried): {snippet(resp.content)}"
+            )
+        try:
+            parsed = parse(resp.content) if parse is not None else None
+        except _Malformed as e:
+            return (
+                f"malformed answer from POST {path} (HTTP {status}): {e}: {snippet(resp.content)}"
+            )
+        return _Answer(status, resp.content, jar, parsed)
+
+    def _failure(self, path: str, e: Exception) -> str:
+        http = self._http()
+        if isinstance(e, http.TimeoutException):
+            limit = self.options["timeout_s"]
+            return f"timeout on POST {path} ({type(e).__name__}, timeout_s={limit})"
+        return f"connection error on POST {path}: {type(e).__name__}: {e}"
+
+    def _url(self, path: str) -> str:
+        return self.base_url + path
+
+    async def _apost(
+        self, path: str, body: Any, jar: dict[str, str], parse: Any = None, tool: bool = False
+    ) -> _Answer:
+        http = self._http()
+        client = self._async_client()
+        last = ""
+        for attempt in range(self.options["retries"] + 1):
+            if attempt:
+                await asyncio.sleep(self._backoff(attempt))
+            try:
+                resp = await client.post(self._url(path), json=body, headers=_cookie_header(jar))
+            except http.TransportError as e:  # connect/read errors and timeouts
+                last = self._failure(path, e)
+                continue
+            out = self._outcome(path, resp, jar, parse, tool)
+            if isinstance(out, _Answer):
+                return out
+            last = out
+        raise EnvUnavailable(f"{last} (after {self.options['retries'] + 1} attempts)")
+
+    def _post(self, path: str, body: Any, jar: dict[str, str], parse: Any = None) -> _Answer:
+        http = self._http()
+        client = self._sync_client()
+        last = ""
+        for attempt in range(self.options["retries"] + 1):
+            if attempt:
+                time.sleep(self._backoff(attempt))
+            try:
+                resp = client.post(self._url(path), json=body, headers=_cookie_header(jar))
+            except http.TransportError as e:
+                last = self._failure(path, e)
+                continue
+            out = self._outcome(path, resp, jar, parse, tool=False)
+            if isinstance(out, _Answer):
+                return out
+            last = out
+        raise EnvUnavailable(f"{last} (after {self.options['retries'] + 1} attempts)")
+
+    # ---------------------------------------------------------------- the episode
+    def reset(self, task: Task) -> NemoGymState:
+        """An unseeded state: the session is seeded by ``areset`` (the rollout worker), or on
+        first use where an episode is driven without it (local evaluation)."""
+        self.tools_for(task)  # a row whose tools cannot be read fails here, not mid-episode
+        return NemoGymState()
+
+    def _seeded(self, state: NemoGymState, answer: _Answer) -> NemoGymState:
+        return NemoGymState(seeded=True, cookies=answer.cookies, seed_response=answer.parsed)
+
+    async def _aseed(self, task: Task, state: NemoGymState) -> NemoGymState:
+        parse = lambda b: _json_object(b, "the /seed_session answer")  # noqa: E731
+        answer = await self._apost("/seed_session", self.row(task), state.cookies, parse)
+        return self._seeded(state, answer)
+
+    async def areset(self, task: Task) -> NemoGymState:
+        return await self._aseed(task, self.reset(task))
+
+    async def acall_tool(self, task: Task, state: NemoGymState, call: FunctionCall) -> StepResult:
+        if not state.seeded:
+            state = await self._aseed(task, state)
+        names = [t.name for t in self.tools_for(task)]
+        if call.name not in names:
+            known = ", ".join(sorted(names)) or "none"
+            return StepResult(f"error: unknown tool {call.name!r} (tools: {known})", state)
+        try:
+            args = json.loads(call.arguments) if call.arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            return StepResult(f"error: arguments are not valid JSON: {e}", state)
+        path = "/" + urllib.parse.quote(call.name, safe="")
+        answer = await self._apost(path, args, state.cookies, tool=True)
+        state = NemoGymState(seeded=True, cookies=answer.cookies, seed_response=state.seed_response)
+        return StepResult(answer.body.decode("utf-8", "replace"), state)
+
+    def call_tool(self, state: NemoGymState, call: FunctionCall) -> StepResult:
+        raise NotImplementedError("nemo-gym tools run over HTTP: use acall_tool")
+
+    # ---------------------------------------------------------------- verification
+    def verify_request(self, task: Task, trajectory: Trajectory) -> dict[str, Any]:
+        """The /verify body: the row, and the episode as an OpenAI ``Response``."""
+        params = self._params(task)
+        response = response_json(
+            f"resp_{trajectory.task_id}",
+            trajectory.items[trajectory.n_input :],
+            trajectory.started_at or time.time(),
+            str(self.options["model"]),
+            params.get("tools"),
+        )
+        return {**self.row(task), "response": response}
+
+    def verify(self, task: Task, trajectory: Trajectory, state: NemoGymState) -> Verdict:
+        """Not pure, unlike other verifiers: the resources server holds the state it scores."""
+        if not state.seeded:  # an episode driven without the async path and with no tool call
+            parse = lambda b: _json_object(b, "the /seed_session answer")  # noqa: E731
+            state = self._seeded(state, self._post("/seed_session", self.row(task), {}, parse))
+        body = self.verify_request(task, trajectory)
+        answer = self._post("/verify", body, state.cookies, _verify_answer).parsed
+        return verdict_from_answer(answer)
+
+    # ---------------------------------------------------------------- scripted reference
+    def reference(self, task: Task, items: list[Item], state: NemoGymState) -> Item:
+        recorded = task.data.get(NEMO_GYM_REFERENCE_FIELD)
+        if not recorded:
+            raise NotImplementedError(
+                f"this nemo-gym row has no {NEMO_GYM_REFERENCE_FIELD!r} for the scripted policy"
+            )
+        script = [
+            i
+            for i in items_from_json(recorded, NEMO_GYM_REFERENCE_FIELD)
+            if not isinstance(i, FunctionCallOutput)
+        ]
+        done = sum(
+            1
+            for i in items[len(task.input) :]
+            if not isinstance(i, FunctionCallOutput)
+            and not (isinstance(i, Message) and i.role != "assistant")
+        )
+        if done < len(script):
+            return script[done]
+        return Message(role="assistant", content="")
+
+
+def verdict_from_answer(answer: dict[str, Any]) -> Verdict:
+    """A /verify answer as a Verdict, every field kept (see the module's docstring)."""
+    if answer.get("mask_sample") is True:
+        raise EnvUnavailable(
+            "/verify masked the sample (its reward is not a valid measurement): "
+            f"failure_kind={answer.get('failure_kind')!r}, "
+            f"failure_reason={snippet(str(answer.get('failure_reason')))!r}"
+        )
+    components: dict[str, float] = {}
+    details: dict[str, str] = {}
+    info: dict[str, Any] = {}
+    for key, value in answer.items():
+        if key == "reward" or key in ECHOED_FIELDS:
+            continue
+        info[key] = value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            components[key] = float(value)
+        elif isinstance(value, str):
+            details[key] = value[:NEMO_GYM_BODY_SNIPPET]
+    rc = answer.get("reward_components")
+    if isinstance(rc, dict):
+        for key, value in rc.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                components[f"reward_components.{key}"] = float(value)
+    return Verdict(
+        reward=float(answer["reward"]), components=components, details=details, info=info
+    )

@@ -1,0 +1,169 @@
+"""OpenAI Responses JSON <-> streamrl's items, the way NeMo Gym writes and reads them.
+
+NeMo Gym rows carry ``responses_create_params`` (``input``, ``tools``, sampling settings) and,
+for a finished rollout, ``response``: an OpenAI ``Response`` object whose ``output`` holds every
+item after the input, the environment's ``function_call_output`` items included (its agent
+appends them there). streamrl keeps messages as plain text, so content parts are joined on the
+way in and written as one ``output_text`` part on the way out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from streamrl.schema import FunctionCall, FunctionCallOutput, FunctionTool, Item, Message, Reasoning
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if not isinstance(p, dict) or not isinstance(p.get("text", ""), str):
+                raise ValueError("content parts must be objects with a string `text`")
+            parts.append(p.get("text", ""))
+        return "".join(parts)
+    raise ValueError(f"message content must be text or a list of parts, got {type(content)}")
+
+
+def item_from_json(raw: Any, where: str = "item") -> Item:
+    """One Responses item (input or output form) as a streamrl item; ValueError says why not."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected an object, got {type(raw).__name__}")
+    kind = raw.get("type", "message" if "role" in raw else None)
+    try:
+        if kind == "message":
+            return Message(role=raw.get("role", "assistant"), content=_text(raw.get("content")))
+        if kind == "function_call":
+            return FunctionCall(
+                call_id=str(raw["call_id"]), name=str(raw["name"]), arguments=raw["arguments"]
+            )
+        if kind == "function_call_output":
+            out = raw["output"]
+            return FunctionCallOutput(
+                call_id=str(raw["call_id"]), output=out if isinstance(out, str) else _text(out)
+            )
+        if kind == "reasoning":
+            summary = raw.get("summary") or raw.get("content") or []
+            return Reasoning(content=_text(summary))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{where} ({kind}): {e}") from None
+    raise ValueError(f"{where}: unsupported item type {kind!r}")
+
+
+def items_from_json(raw: Any, where: str = "input") -> list[Item]:
+    if isinstance(raw, str):
+        return [Message(role="user", content=raw)]
+    if not isinstance(raw, list):
+        raise ValueError(f"{where}: expected a string or a list of items")
+    items = [item_from_json(x, f"{where} item {i}") for i, x in enumerate(raw)]
+    for i, item in enumerate(items):  # the Literal role, checked as the decoders check it
+        try:
+            msgspec.convert(msgspec.to_builtins(item), Item)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"{where} item {i}: {e}") from None
+    return items
+
+
+def input_json(items: list[Item]) -> list[dict[str, Any]]:
+    """Items in the Responses *input* form (what ``responses_create_params.input`` holds)."""
+    out: list[dict[str, Any]] = []
+    for item in items:
+        if isinstance(item, Message):
+            out.append({"type": "message", "role": item.role, "content": item.content})
+        elif isinstance(item, Reasoning):
+            out.append(
+                {"type": "reasoning", "summary": [{"type": "summary_text", "text": item.content}]}
+            )
+        else:
+            out.append(msgspec.to_builtins(item))
+    return out
+
+
+def output_json(items: list[Item], prefix: str = "") -> list[dict[str, Any]]:
+    """Items in the Responses *output* form (``response.output``), with the ids and statuses
+    the OpenAI types require. Non-assistant messages (an environment's reply) keep the input
+    form, as NeMo Gym's multi-turn agents write them."""
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        ident = f"{prefix}{i}"
+        if isinstance(item, Message) and item.role == "assistant":
+            out.append(
+                {
+                    "id": f"msg_{ident}",
+                    "type": "message",
+                    "role": "assistant",
+                    "status": "completed",
+                    "content": [{"type": "output_text", "text": item.content, "annotations": []}],
+                }
+            )
+        elif isinstance(item, FunctionCall):
+            out.append(
+                {
+                    "id": f"fc_{ident}",
+                    "type": "function_call",
+                    "call_id": item.call_id,
+                    "name": item.name,
+                    "arguments": item.arguments,
+                    "status": "completed",
+                }
+            )
+        elif isinstance(item, Reasoning):
+            out.append(
+                {
+                    "id": f"rs_{ident}",
+                    "type": "reasoning",
+                    "summary": [{"type": "summary_text", "text": item.content}],
+                }
+            )
+        else:
+            out.extend(input_json([item]))
+    return out
+
+
+def response_json(
+    response_id: str,
+    output: list[Item],
+    created_at: float,
+    model: str,
+    tools: list[Any] | None = None,
+    prefix: str = "",
+) -> dict[str, Any]:
+    """A complete OpenAI ``Response`` object (the fields its pydantic type requires)."""
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(created_at),
+        "model": model,
+        "status": "completed",
+        "output": output_json(output, prefix),
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": list(tools or []),
+    }
+
+
+def tools_from_json(raw: Any) -> list[FunctionTool]:
+    """``responses_create_params.tools`` -> function tools (other tool kinds are refused)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ValueError("responses_create_params.tools must be a list")
+    tools = []
+    for i, t in enumerate(raw):
+        if not isinstance(t, dict) or t.get("type", "function") != "function":
+            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+            raise ValueError(f"tool {i}: only function tools are supported, got {kind!r}")
+        if not isinstance(t.get("name"), str) or not t["name"]:
+            raise ValueError(f"tool {i}: a function tool needs a name")
+        tools.append(
+            FunctionTool(
+                name=t["name"],
+                description=str(t.get("description") or ""),
+                parameters=dict(t.get("parameters") or {}),
+            )
+        )
+    return tools

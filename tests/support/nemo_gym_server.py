@@ -1,0 +1,313 @@
+"""A resources server written the way NeMo Gym writes them, for the nemo-gym tests.
+
+FastAPI, Starlette's ``SessionMiddleware`` with a middleware that gives every new session a
+``session_id`` (as NeMo Gym's ``SimpleServer.setup_session_middleware`` does), typed pydantic
+request and response models shaped like ``BaseVerifyRequest``/``BaseVerifyResponse``, per-session
+state in the server's memory, keyed by the cookie's session id (as its
+``example_session_state_mgmt`` server keeps ``session_id_to_counter``).
+
+Tools: ``increment_counter`` / ``get_counter_value`` (stateful), ``kv_set`` / ``kv_get`` (a
+small key-value store; ``kv_get`` of a missing key is a 404). ``/verify`` rewards 1.0 when the
+session's counter equals the row's ``expected_count``.
+
+Faults, chosen per row by its ``fault`` field (the row reaches ``/seed_session``):
+``tool_5xx`` (every counter call answers 503), ``tool_slow`` (counter calls sleep
+``slow_s``), ``tool_flaky`` (the first counter call of a session answers 503, then it works),
+``verify_5xx``, ``verify_malformed`` (200 with a body that is not JSON), ``verify_no_reward``,
+``verify_masked`` (``mask_sample: true``), ``seed_5xx``.
+
+``GET /_sessions`` shows the server-side state, for the tests' checks.
+Run: ``python -m tests.support.nemo_gym_server --port 8000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import uuid
+from typing import Annotated, Any, Literal
+
+import uvicorn
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.middleware.sessions import SessionMiddleware
+
+SESSION_ID_KEY = "session_id"
+
+
+# ---------------------------------------------------------------- the Responses types it checks
+
+
+class ResponsesCreateParams(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    input: str | list[dict[str, Any]]
+    tools: list[dict[str, Any]] = []
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+
+
+class OutputMessage(BaseModel):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    status: Literal["completed", "incomplete", "in_progress"]
+    content: list[OutputText]
+
+
+class FunctionToolCall(BaseModel):
+    type: Literal["function_call"]
+    id: str | None = None
+    call_id: str
+    name: str
+    arguments: str
+    status: str | None = None
+
+
+class FunctionCallOutput(BaseModel):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+class SummaryText(BaseModel):
+    type: Literal["summary_text"]
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    type: Literal["reasoning"]
+    id: str
+    summary: list[SummaryText]
+
+
+OutputItem = Annotated[
+    OutputMessage | FunctionToolCall | FunctionCallOutput | ReasoningItem,
+    Field(discriminator="type"),
+]
+
+
+class Response(BaseModel):
+    id: str
+    object: Literal["response"]
+    created_at: float
+    model: str
+    output: list[OutputItem]
+    parallel_tool_calls: bool
+    tool_choice: str
+    tools: list[dict[str, Any]]
+
+
+class BaseRunRequest(BaseModel):
+    responses_create_params: ResponsesCreateParams
+
+
+class BaseVerifyRequest(BaseRunRequest):
+    response: Response
+
+
+class BaseVerifyResponse(BaseVerifyRequest):
+    reward: float
+
+
+class BaseSeedSessionRequest(BaseModel):
+    pass
+
+
+class BaseSeedSessionResponse(BaseModel):
+    pass
+
+
+# ---------------------------------------------------------------- this server's models
+
+
+class CounterSeedSessionRequest(BaseSeedSessionRequest):
+    initial_count: int = 0
+    label: str = ""
+    fault: str = ""
+    slow_s: float = 5.0
+
+
+class CounterSeedSessionResponse(BaseSeedSessionResponse):
+    session_id: str
+
+
+class IncrementCounterRequest(BaseModel):
+    count: int
+
+
+class IncrementCounterResponse(BaseModel):
+    success: bool
+
+
+class GetCounterValueResponse(BaseModel):
+    count: int
+
+
+class KVSetRequest(BaseModel):
+    key: str
+    value: str
+
+
+class KVGetRequest(BaseModel):
+    key: str
+
+
+class KVGetResponse(BaseModel):
+    value: str
+
+
+class CounterVerifyRequest(BaseVerifyRequest):
+    expected_count: int
+
+
+class CounterVerifyResponse(BaseVerifyResponse):
+    expected_count: int
+    counter: int
+    tool_calls: int
+    failure_kind: str | None = None
+
+
+class SessionRecord(BaseModel):
+    label: str = ""
+    fault: str = ""
+    slow_s: float = 5.0
+    count: int = 0
+    seeds: int = 0
+    calls: list[str] = []
+    kv: dict[str, str] = {}
+    verifies: int = 0
+    counter_failures: int = 0
+
+
+class CounterResourcesServer:
+    def __init__(self, secret: str = "streamrl-test-secret") -> None:
+        self.secret = secret
+        self.sessions: dict[str, SessionRecord] = {}
+
+    def session(self, request: Request) -> SessionRecord:
+        sid = request.session[SESSION_ID_KEY]
+        record = self.sessions.get(sid)
+        if record is None:  # a cookie this server never seeded
+            raise HTTPException(409, f"session {sid} was never seeded")
+        return record
+
+    def setup_webserver(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.middleware("http")
+        async def add_session_id(request: Request, call_next):
+            if SESSION_ID_KEY not in request.session:
+                request.session[SESSION_ID_KEY] = str(uuid.uuid4())
+            return await call_next(request)
+
+        # added last, so it runs first: the session exists when add_session_id runs
+        app.add_middleware(SessionMiddleware, secret_key=self.secret, session_cookie="session")
+
+        app.post("/seed_session")(self.seed_session)
+        app.post("/increment_counter")(self.increment_counter)
+        app.post("/get_counter_value")(self.get_counter_value)
+        app.post("/kv_set")(self.kv_set)
+        app.post("/kv_get")(self.kv_get)
+        app.post("/verify")(self.verify)
+        app.get("/_sessions")(self.list_sessions)
+        return app
+
+    async def seed_session(
+        self, request: Request, body: CounterSeedSessionRequest
+    ) -> CounterSeedSessionResponse:
+        if body.fault == "seed_5xx":
+            raise HTTPException(503, "seeding is down")
+        sid = request.session[SESSION_ID_KEY]
+        record = self.sessions.setdefault(
+            sid,
+            SessionRecord(
+                label=body.label, fault=body.fault, slow_s=body.slow_s, count=body.initial_count
+            ),
+        )
+        record.seeds += 1
+        return CounterSeedSessionResponse(session_id=sid)
+
+    async def _counter_fault(self, record: SessionRecord) -> None:
+        if record.fault == "tool_5xx":
+            raise HTTPException(503, "the counter service is overloaded")
+        if record.fault == "tool_flaky" and record.counter_failures == 0:
+            record.counter_failures += 1
+            raise HTTPException(503, "a passing hiccup")
+        if record.fault == "tool_slow":
+            await asyncio.sleep(record.slow_s)
+
+    async def increment_counter(
+        self, request: Request, body: IncrementCounterRequest
+    ) -> IncrementCounterResponse:
+        record = self.session(request)
+        await self._counter_fault(record)
+        record.count += body.count
+        record.calls.append(f"increment_counter:{body.count}")
+        return IncrementCounterResponse(success=True)
+
+    async def get_counter_value(self, request: Request) -> GetCounterValueResponse:
+        record = self.session(request)
+        await self._counter_fault(record)
+        record.calls.append("get_counter_value")
+        return GetCounterValueResponse(count=record.count)
+
+    async def kv_set(self, request: Request, body: KVSetRequest) -> IncrementCounterResponse:
+        record = self.session(request)
+        record.kv[body.key] = body.value
+        record.calls.append(f"kv_set:{body.key}")
+        return IncrementCounterResponse(success=True)
+
+    async def kv_get(self, request: Request, body: KVGetRequest) -> KVGetResponse:
+        record = self.session(request)
+        record.calls.append(f"kv_get:{body.key}")
+        if body.key not in record.kv:
+            raise HTTPException(404, f"no key {body.key!r}")
+        return KVGetResponse(value=record.kv[body.key])
+
+    async def verify(self, request: Request, body: CounterVerifyRequest) -> Any:
+        record = self.session(request)
+        record.verifies += 1
+        if record.fault == "verify_5xx":
+            return JSONResponse({"detail": "the judge is down"}, status_code=502)
+        if record.fault == "verify_malformed":
+            return PlainTextResponse("<html>proxy error</html>", status_code=200)
+        if record.fault == "verify_no_reward":
+            return JSONResponse({"ok": True})
+        reward = float(record.count == body.expected_count)
+        answer = CounterVerifyResponse(
+            **body.model_dump(),
+            reward=reward,
+            counter=record.count,
+            tool_calls=len(record.calls),
+        )
+        if record.fault == "verify_masked":
+            return JSONResponse(
+                {
+                    **answer.model_dump(),
+                    "mask_sample": True,
+                    "failure_kind": "judge_unavailable",
+                    "failure_reason": "the judge timed out",
+                }
+            )
+        return answer
+
+    async def list_sessions(self) -> dict[str, SessionRecord]:
+        return self.sessions
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    args = ap.parse_args()
+    app = CounterResourcesServer().setup_webserver()
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()
