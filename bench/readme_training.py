@@ -35,15 +35,15 @@ CONFIG = ROOT / "configs" / "copy-tiny.toml"
 
 
 def _config(
-    dst: Path, lr: float | None, entropy_coef: float | None, entropy_target: float | None = None
+    dst: Path, lr: float | None, entropy_coef: float | None, learner: dict[str, str] | None = None
 ) -> Path:
     text = CONFIG.read_text()
     if lr is not None:
         text = re.sub(r"(?m)^lr = .*$", f"lr = {lr}", text)
     if entropy_coef is not None:
         text = text.replace("[learner]\n", f"[learner]\nentropy_coef = {entropy_coef}\n")
-    if entropy_target is not None:
-        text = text.replace("[learner]\n", f"[learner]\nentropy_target = {entropy_target}\n")
+    for key, value in (learner or {}).items():
+        text = text.replace("[learner]\n", f"[learner]\n{key} = {value}\n")
     dst.mkdir(parents=True, exist_ok=True)
     path = dst / "copy-tiny.toml"
     path.write_text(text)
@@ -64,11 +64,18 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--entropy-coef", type=float, default=None)
     ap.add_argument("--entropy-target", type=float, default=None, help="adaptive entropy")
+    ap.add_argument(
+        "--learner", action="append", default=[], metavar="KEY=VALUE",
+        help="any other [learner] setting (TOML value), e.g. entropy_coef_step=0.01",
+    )  # fmt: skip
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="readme-training-"))
-    cfg = _config(work / "configs", args.lr, args.entropy_coef, args.entropy_target)
+    extra = dict(kv.split("=", 1) for kv in args.learner)
+    if args.entropy_target is not None:
+        extra["entropy_target"] = str(args.entropy_target)
+    cfg = _config(work / "configs", args.lr, args.entropy_coef, extra)
     bin_ = Path(sys.executable).parent
     srl = str(bin_ / "streamrl")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -87,7 +94,7 @@ def main() -> None:
     t0 = time.monotonic()
     result: dict = {
         "config": str(cfg), "lr": args.lr, "entropy_coef": args.entropy_coef,
-        "entropy_target": args.entropy_target,
+        "entropy_target": args.entropy_target, "learner": args.learner,
     }  # fmt: skip
     try:
         start("up", [srl, "up"])

@@ -59,8 +59,8 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # coefficient starts at entropy_coef and moves by entropy_coef_step per step, up while
     # the entropy is below the target, down (to 0) while above, never past entropy_coef_max.
     entropy_target: float | None = None
-    entropy_coef_step: float = 0.005
-    entropy_coef_max: float = 0.1
+    entropy_coef_step: float = 0.01
+    entropy_coef_max: float = 0.3
     max_completion_length: int = 512  # dr_grpo's constant normaliser
 
     # -- optimizer (AdamW) and schedule

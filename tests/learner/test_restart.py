@@ -149,7 +149,7 @@ def test_sigkilled_learner_matches_uninterrupted_run(
     assert not torch.equal(initial["lm_head.weight"], weights["lm_head.weight"])  # it trained
     assert msgspec.structs.asdict(state.counters) == msgspec.structs.asdict(ref.counters)
     assert state.entropy_coef == ref.entropy_coef  # bitwise: restored, not restarted from 0
-    assert abs(ref.entropy_coef - min(0.1, 0.01 * ref.step)) < 1e-9
+    assert abs(ref.entropy_coef - min(0.3, 0.01 * ref.step)) < 1e-9
     # the same stream position: the same entry index is the last one the weights contain
     assert (state.step, state.policy_version, ids.index(state.last_id)) == (
         ref.step,
