@@ -179,6 +179,13 @@ def main() -> None:
                         break
                 next_snap += every
         learner = r.hgetall(keys.learner)
+        from streamrl import schema
+
+        rr = redis.Redis.from_url(url)
+        last = [schema.SCORE.decode(f[b"p"]) for _, f in rr.xrevrange(keys.scored, count=12)]
+        answers = [  # what the policy says at the end, as its verifier read it
+            {"reward": s.reward, **s.details, "policy_versions": s.policy_versions} for s in last
+        ]
     finally:
         family = {p.pid: [p.pid, *descendants(p.pid)] for p in procs}
         for p in reversed(procs):
@@ -220,6 +227,7 @@ def main() -> None:
         "pass_at_1_after": after["pass_at_1"],
         "pass_at_1_after_ci": after["ci"],
         "gain_points": round(100 * (after["pass_at_1"] - before["pass_at_1"]), 1),
+        "last_answers": answers,
         "evals": points,
         "curve": curve,
         "png": str(png),

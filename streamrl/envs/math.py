@@ -179,7 +179,7 @@ def load_dataset(path: str | Path) -> list[dict[str, Any]]:
 
 class MathEnv(Environment[MathState]):
     name = "math"
-    version = "2"  # 2: a true final equation answers its right side
+    version = "2"  # 2: a true final equation answers its right side; numbers written as numbers
     State = MathState
 
     class Options(msgspec.Struct, kw_only=True):

@@ -4,7 +4,9 @@
 variables, ``+ - * / ^``, ``\\cdot``/``\\times``, parentheses and implicit products (``2x``,
 ``3(x+1)``) into a polynomial with exact rational coefficients, so ``1/2 == 0.5 ==
 \\frac{1}{2}`` and ``2x+1 == 1+2x``. Decimals are exact (``0.33 != 1/3``); a trailing ``%``, a
-``\\text{...}`` unit and a leading ``x =`` are ignored. A final equation ``17 + 8 = 25`` answers
+``\\text{...}`` unit and a leading ``x =`` are ignored. When the expected answer is a number,
+the answer must be written as one (``25``, ``-3/4``, ``\\frac{3}{4}``): ``17 + 8`` evaluates
+to 25 but only restates the question. A final equation ``17 + 8 = 25`` answers
 its right side, but only when it is true: a left side that is a number must equal the right
 (``49 + 5 = 12`` answers nothing). It never calls ``eval``: unknown syntax,
 division by a non-constant, exponents outside 0..64 and numbers past a size bound are parse
@@ -230,9 +232,29 @@ def equivalent(answer: str, expected: str) -> bool:
     except ParseError:
         return bool(normalize(answer)) and normalize(answer) == normalize(expected)
     try:
-        return parse(_equation_rhs(answer)) == want
+        answer = _equation_rhs(answer)
+        if _constant(want) is not None and not _is_number(answer):
+            return False  # "17 + 8" is the question, not its answer
+        return parse(answer) == want
     except ParseError:
         return False
+
+
+_NUMBER_SHAPES = {
+    ("num",),
+    ("num", "/", "num"),
+    ("frac", "{", "num", "}", "{", "num", "}"),
+}
+
+
+def _is_number(text: str) -> bool:
+    """A number written out (``25``, ``-3/4``, ``0.75``, ``\\frac{3}{4}``), not an expression
+    that evaluates to one: when the expected answer is a number, echoing the question's
+    arithmetic must not count as answering it."""
+    shape = tuple(kind if kind in ("num", "frac") else value for kind, value in _tokens(text))
+    if shape[:1] in (("-",), ("+",)):
+        shape = shape[1:]
+    return shape in _NUMBER_SHAPES
 
 
 _EQUALS = re.compile(r"(?<![<>!=])=(?!=)")

@@ -26,9 +26,11 @@ from streamrl.verifiers.math import ParseError, equivalent, parse, score
         ("x = -12", "-12"),
         ("1,234", "1234"),
         ("\\$12.75", "51/4"),
-        ("2 \\cdot 3 \\times 4", "24"),
         ("Paris", "\\text{Paris}"),
         ("17 + 8 = 25", "25"),  # a true final equation answers its right side
+        ("-3/4", "-0.75"),
+        ("\\frac{3}{4}", "0.75"),
+        ("+12", "12"),
         ("the sum = 25", "25"),
     ],
 )
@@ -48,6 +50,10 @@ def test_equivalent_forms(answer: str, expected: str) -> None:
         ("London", "Paris"),
         ("49 + 5 = 54.5", "54.5"),  # a false equation answers nothing
         ("17 + 8 = 24", "24"),
+        ("17 + 8", "25"),  # the question's own arithmetic is not its answer (a GRPO run found it)
+        ("17 + 8 = 17 + 8", "25"),
+        ("(3 + 4) * 2 - 1", "13"),
+        ("2 * 3 \\times 4", "24"),
         ("1 = 2 = 3", "3"),
         ("x <= 3", "3"),
     ],
