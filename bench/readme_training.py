@@ -14,12 +14,10 @@ collapse experiment). Prints one JSON line. Every process it starts is stopped b
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,7 +26,7 @@ from pathlib import Path
 
 import redis
 
-from streamrl.procs import descendants
+from streamrl.procs import stop_all
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "copy-tiny.toml"
@@ -48,12 +46,6 @@ def _config(
     path = dst / "copy-tiny.toml"
     path.write_text(text)
     return path
-
-
-def _signal(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
 
 
 def main() -> None:
@@ -145,18 +137,7 @@ def main() -> None:
             logs=str(logs),
         )
     finally:
-        # rq puts its work horses in sessions of their own: collect every descendant by PID
-        # first (a warm shutdown would wait out a 600 s lease, so no grace beyond 10 s)
-        family = {p.pid: [p.pid, *descendants(p.pid)] for p in procs}
-        for p in reversed(procs):
-            _signal(family[p.pid], signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        for p in procs:
-            _signal(family[p.pid], signal.SIGKILL)
-            p.wait()
+        stop_all(procs)  # a warm rq shutdown would wait out a 600 s lease
         if not args.keep:
             shutil.rmtree(work / "models", ignore_errors=True)
     print(json.dumps(result))

@@ -19,11 +19,9 @@ Every process it starts is stopped by its PID.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,18 +30,12 @@ from pathlib import Path
 
 import redis
 
-from streamrl.procs import descendants
+from streamrl.procs import stop_all
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "smollm2-add.toml"
 MODEL = ROOT / "models" / "smollm2-135m"
 RUN = "smollm2-add"
-
-
-def _signal(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
 
 
 def _eval(srl: str, cfg: Path, cwd: Path, env: dict, args, weights: Path | None) -> dict:
@@ -187,16 +179,7 @@ def main() -> None:
             {"reward": s.reward, **s.details, "policy_versions": s.policy_versions} for s in last
         ]
     finally:
-        family = {p.pid: [p.pid, *descendants(p.pid)] for p in procs}
-        for p in reversed(procs):
-            _signal(family[p.pid], signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        for p in procs:
-            _signal(family[p.pid], signal.SIGKILL)
-            p.wait()
+        stop_all(procs)  # a warm rq shutdown would wait out a 600 s lease
     train_seconds = time.monotonic() - t_train
 
     print("held-out pass@1 of the trained policy versions ...", file=sys.stderr)

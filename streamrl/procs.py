@@ -64,6 +64,28 @@ def descendants(pid: int) -> list[int]:
     return tree([pid], children)[1:]
 
 
+def stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """SIGTERM each process and its descendants (newest first), SIGKILL what is left after
+    ``grace_s``. The families are collected by PID first: rq puts its work horses in sessions
+    of their own, and a warm shutdown would wait out a long lease."""
+    family = {p.pid: [p.pid, *descendants(p.pid)] for p in procs}
+
+    def send(pids: list[int], sig: int) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    for p in reversed(procs):
+        send(family[p.pid], signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        send(family[p.pid], signal.SIGKILL)
+        p.wait()
+
+
 class WorkerProcs:
     """rq workers, each in its own process group so that a kill takes its work horse too."""
 
