@@ -19,6 +19,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 import redis
 from rich.console import Console
@@ -26,11 +27,12 @@ from rich.console import Group as RichGroup
 from rich.live import Live
 from rich.table import Table
 
-from streamrl import health
+from streamrl import health, prefork
 from streamrl.config import RunConfig, load_toml
 from streamrl.envs import make_env
 from streamrl.pipeline import LocalPipeline
-from streamrl.procs import self_cpu, tree_cpu
+from streamrl.prefork import Prefork
+from streamrl.procs import own_cpu, self_cpu, tree_cpu
 from streamrl.producer import LearnerAdmission, Producer, admission_limit
 from streamrl.status import collect
 from streamrl.views import RewardFeed, status_table
@@ -95,15 +97,28 @@ def train_demo(
     pipeline = LocalPipeline(cfg, directory=directory)
     model_dir = pipeline.dir / "model"
     cfg.policy.model = str(model_dir)
+    threads = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {**os.environ, **threads}
+    # torch and transformers imported once, by a fork server, while Redis starts; the
+    # learner and the rollout workers are forked from it (see streamrl.prefork)
+    forks = Prefork(env=threads) if prefork.enabled() else None
     with pipeline as p:
-        # start-up in parallel: the workers import torch and transformers (STREAMRL_PRELOAD)
-        # while this process builds the model; they take no lease until tasks arrive
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        p.procs.env = {**env, "STREAMRL_PRELOAD": "torch,transformers"}  # type: ignore[union-attr]
-        p.start_workers(rollout=rollout_workers, verify=0, top_up=False)
-        p.procs.env = env  # type: ignore[union-attr]  (the verifier needs no torch)
-        p.start_workers(rollout=0, verify=1, top_up=False)
-        save_tiny(model_dir)
+        procs = p.procs
+        assert procs is not None
+        procs.env = env
+        if forks is not None:
+            p.start_workers(rollout=0, verify=1, top_up=False)  # the verifier needs no torch
+            forks.call(save_tiny, model_dir)  # waits for the server's imports
+            procs.launcher = lambda argv, log, env_: forks.popen(argv, log, env_, True)
+            p.start_workers(rollout=rollout_workers, verify=0, top_up=False)
+        else:
+            # start-up in parallel: the workers import torch and transformers
+            # (STREAMRL_PRELOAD) while this process builds the model; no lease until tasks
+            procs.env = {**env, "STREAMRL_PRELOAD": "torch,transformers"}
+            p.start_workers(rollout=rollout_workers, verify=0, top_up=False)
+            procs.env = env
+            p.start_workers(rollout=0, verify=1, top_up=False)
+            save_tiny(model_dir)
         cfg.policy.options.update({"seed": seed, **(policy_options or {})})
         learner = {**cfg.learner, "model": str(model_dir), "output_dir": str(p.dir / "learner")}
         learner["seed"] = seed
@@ -118,24 +133,14 @@ def train_demo(
             f"[bold]streamrl demo[/]: tiny Llama learning `{cfg.env}` - Redis {p.url}, "
             f"config {config_path}, logs {p.dir}/logs"
         )
-        learner_log = open(p.dir / "logs" / "learner.log", "ab")  # noqa: SIM115
-        learner_proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "streamrl.cli",
-                "learn",
-                "--config",
-                str(config_path),
-                "--redis",
-                p.url,
-                "--run",
-                RUN,
-            ],
-            stdout=learner_log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+        learn = [sys.executable, "-m", "streamrl.cli", "learn", "--config", str(config_path)]
+        learn += ["--redis", p.url, "--run", RUN]
+        learner_log = p.dir / "logs" / "learner.log"
+        if forks is not None:
+            learner_proc: Any = forks.popen(learn, learner_log, env)
+        else:
+            out = open(learner_log, "ab")  # noqa: SIM115 - lives with the learner
+            learner_proc = subprocess.Popen(learn, stdout=out, stderr=subprocess.STDOUT, env=env)
         # the model exists now: one lease per worker, without waiting for their idle poll
         from streamrl.defaults import ROLLOUT_QUEUE, VERIFY_QUEUE
         from streamrl.workers import leases
@@ -212,7 +217,7 @@ def train_demo(
             console.print("interrupted: shutting down")
         finally:
             stop.set()
-            cpu = _cpu_by_role(p, learner_proc)
+            cpu = _cpu_by_role(p, learner_proc, forks)
             learner_proc.send_signal(signal.SIGTERM)  # it finishes its step and checkpoints
             with contextlib.suppress(subprocess.TimeoutExpired):
                 learner_proc.wait(timeout=30)
@@ -278,10 +283,12 @@ def _frame(feed: RewardFeed, info: dict, started: float, recent: deque) -> RichG
     return RichGroup(t, feed.table(), status_table(info))
 
 
-def _cpu_by_role(p: LocalPipeline, learner: subprocess.Popen) -> dict[str, float]:
+def _cpu_by_role(p: LocalPipeline, learner: Any, forks: Prefork | None) -> dict[str, float]:
     """CPU seconds each part of the demo used so far (from /proc), to see what limits it."""
 
     out: dict[str, float] = {"learner": tree_cpu([learner.pid]), "driver": self_cpu()}
+    if forks is not None and forks.server_pid:
+        out["prefork"] = own_cpu(forks.server_pid)  # the shared imports
     for name, proc in p.procs.procs if p.procs else []:
         role = "rollout" if "rollout" in name else "verify"
         out[role] = out.get(role, 0.0) + tree_cpu([proc.pid])

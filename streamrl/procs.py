@@ -10,7 +10,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 WORKER_CLASS = "streamrl.workers.LeaseWorker"
 
@@ -108,22 +110,29 @@ class WorkerProcs:
 
             self.env = {**(env if env is not None else os.environ), ENV_DATA_URL: url}
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        # how a worker process is started: `subprocess.Popen` unless set (the demo forks its
+        # torch workers from a fork server, streamrl.prefork); (argv, log, env) -> Popen-like
+        self.launcher: Callable[[list[str], Path | None, dict | None], Any] | None = None
 
     def start(self, queue: str, n: int, prefix: str = "") -> list[subprocess.Popen]:
         started = []
         for _ in range(n):
             name = f"{prefix or queue}-{len(self.procs)}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-            out = subprocess.DEVNULL
+            log = None
             if self.log_dir is not None:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
-                out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - lives with proc
-            p = subprocess.Popen(
-                rq_worker_cmd(self.control_url, queue, name),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=self.env,
-            )
+                log = self.log_dir / f"{name}.log"
+            cmd = rq_worker_cmd(self.control_url, queue, name)
+            if self.launcher is not None:
+                p = self.launcher(cmd, log, self.env)
+            else:
+                p = subprocess.Popen(
+                    cmd,
+                    stdout=open(log, "ab") if log else subprocess.DEVNULL,  # noqa: SIM115
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    env=self.env,
+                )
             self.procs.append((name, p))
             started.append(p)
         return started
@@ -164,6 +173,16 @@ def tree_cpu(roots: list[int]) -> float:
         for pid in tree(roots, children)
         if pid in stats
     )
+
+
+def own_cpu(pid: int) -> float:
+    """CPU seconds ``pid`` itself used (not its children's)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = raw[raw.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
 
 
 def self_cpu() -> float:

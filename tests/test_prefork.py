@@ -1,0 +1,54 @@
+"""The demo's fork server: a forked role runs the same `python -m` program as a spawned one,
+with its own argv, env and log, and behaves like a Popen to whoever stops it."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from streamrl.prefork import Forked, Prefork
+from streamrl.procs import descendants
+
+
+@pytest.fixture(scope="module")
+def forks():
+    return Prefork()
+
+
+def _argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tests.support.prefork_child", *args]
+
+
+def test_child_runs_the_module_with_its_argv_env_and_log(forks, tmp_path):
+    log = tmp_path / "child.log"
+    p = forks.popen(_argv("exit", "3"), log, env={"PREFORK_TEST": "yes"})
+    assert isinstance(p, Forked)
+    assert p.wait(timeout=60) == 3 and p.returncode == 3
+    text = log.read_text()
+    assert "argv=['exit', '3'] env=yes torch=True" in text, text  # torch came from the server
+    assert "session_leader=False" in text
+
+
+def test_new_session_and_signals_reach_the_child(forks, tmp_path):
+    log = tmp_path / "child.log"
+    p = forks.popen(_argv("wait"), log, env={}, new_session=True)
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.wait(timeout=0.5)
+    assert p.poll() is None
+    p.send_signal(signal.SIGKILL)
+    assert p.wait(timeout=30) == -signal.SIGKILL
+    assert "session_leader=True" in log.read_text()
+    assert p.pid not in descendants(forks.server_pid or 0)
+
+
+def test_only_python_dash_m_commands(forks):
+    with pytest.raises(ValueError, match="python -m"):
+        forks.popen([sys.executable, "script.py"])
+
+
+def test_call_reports_a_failure(forks):
+    with pytest.raises(RuntimeError, match="exit"):
+        forks.call(sys.exit, 2)
