@@ -23,6 +23,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,23 @@ def _child(argv: list[str], env: dict[str, str], log: str | None, new_session: b
     _as_if_spawned()
     module = argv[2]
     sys.argv = [module, *argv[3:]]
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` has it
     runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+@contextlib.contextmanager
+def _without_main() -> Iterator[None]:
+    """Start children without the caller's ``__main__``: multiprocessing would re-import it
+    in each child (as ``__mp_main__``), and a script that calls the demo without an
+    ``if __name__ == "__main__"`` guard would run again there. The children run
+    ``streamrl.prefork`` functions and need nothing from it."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 def _as_if_spawned() -> None:
@@ -158,14 +175,16 @@ class Prefork:
         proc = self._ctx.Process(
             target=_child, args=(argv, env, str(log) if log else None, new_session), daemon=False
         )
-        proc.start()
+        with _without_main():
+            proc.start()
         return Forked(proc, argv)
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> None:
         """Run ``fn(*args)`` in a forked child (one that needs the preloaded imports) and
         wait for it."""
         proc = self._ctx.Process(target=_call, args=(fn, args))
-        proc.start()
+        with _without_main():
+            proc.start()
         proc.join(timeout)
         if proc.exitcode != 0:
             if proc.exitcode is None:

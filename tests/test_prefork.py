@@ -6,11 +6,14 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from streamrl.prefork import Forked, Prefork
 from streamrl.procs import descendants
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -52,3 +55,23 @@ def test_only_python_dash_m_commands(forks):
 def test_call_reports_a_failure(forks):
     with pytest.raises(RuntimeError, match="exit"):
         forks.call(sys.exit, 2)
+
+
+def test_a_script_without_a_main_guard_is_not_run_again(tmp_path, subprocess_env):
+    """multiprocessing re-imports the caller's __main__ in each child; a script calling the
+    demo with no `if __name__ == "__main__"` would have run again, recursively."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import sys\n"
+        "from streamrl.prefork import Prefork\n"
+        "print('script ran', flush=True)\n"
+        "p = Prefork().popen([sys.executable, '-m', 'tests.support.prefork_child', 'exit', '5'],"
+        f" {str(tmp_path / 'child.log')!r})\n"
+        "print('child exit', p.wait(timeout=60), flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+        env=subprocess_env, cwd=ROOT,
+    )  # fmt: skip
+    assert done.stdout.splitlines() == ["script ran", "child exit 5"], done.stderr[-2000:]
+    assert "argv=['exit', '5']" in (tmp_path / "child.log").read_text()

@@ -38,6 +38,9 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     batch_groups: int = 8  # groups per optimizer step
     micro_batch_size: int = 0  # sequences per forward/backward (gradient accumulation); 0 = all
     max_staleness: int = d.MAX_STALENESS  # drop groups more than this many versions old
+    # a group's samples share their prompt: run it once per micro-batch, not once per sample
+    # (train.shifted_logits); false runs every sequence whole
+    share_prompts: bool = True
 
     # -- loss (TRL names)
     loss_type: str = "dapo"  # grpo | dr_grpo | dapo | bnpo
