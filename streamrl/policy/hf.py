@@ -35,7 +35,10 @@ retried every ``reload_check_s``. ``refresh()`` runs the same check when no batc
 Options (``PolicyConfig.options``): ``device`` (``auto`` | ``cpu`` | ``cuda`` | ``cuda:1``),
 ``dtype`` (``auto`` | ``float32`` | ``bfloat16`` | ``float16``), ``max_batch`` (32),
 ``reload_check_s`` (1.0), ``seed`` (0), ``trust_remote_code`` (false), ``lag_versions`` (0:
-serve the newest version; N: the one announced N versions earlier, for off-policy experiments).
+serve the newest version; N: the one announced N versions earlier, for off-policy experiments),
+``decode`` (``loop``: streamrl's own KV-cache loop, which prefills each distinct prompt once,
+so a group's samples share one prefill; ``generate``: transformers' ``generate``; both sample
+through ``_Sampler`` and give the same tokens up to float noise).
 """
 
 from __future__ import annotations
@@ -146,6 +149,11 @@ class HFPolicy(Policy):
         # held back, to measure how well the learner's off-policy correction copes
         self.lag_versions = int(opts.get("lag_versions", 0))
         self.seed = int(opts.get("seed", 0))
+        # "loop": streamrl's own decode loop (each distinct prompt prefilled once);
+        # "generate": transformers' generate (what any architecture supports)
+        self.decode = str(opts.get("decode", "loop"))
+        if self.decode not in ("loop", "generate"):
+            raise ValueError(f"policy option decode must be loop or generate, not {self.decode!r}")
         self.device = _device(str(opts.get("device", "auto")))
         dtype = str(opts.get("dtype", "auto"))
         torch_dtype: Any = "auto" if dtype == "auto" else getattr(torch, _DTYPES[dtype])
@@ -313,12 +321,14 @@ class HFPolicy(Policy):
             renormalize_logits=False,
         )
         with torch.inference_mode():
-            self.model.generate(
-                input_ids=input_ids.to(self.device),
-                attention_mask=attention.to(self.device),
-                generation_config=gen_config,
-                logits_processor=LogitsProcessorList([sampler]),
-            )
+            ids, mask = input_ids.to(self.device), attention.to(self.device)
+            if not (self.decode == "loop" and self._decode_loop(ids, mask, sampler, steps)):
+                self.model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    generation_config=gen_config,
+                    logits_processor=LogitsProcessorList([sampler]),
+                )
         seconds = time.perf_counter() - started
         turns = []
         for i, p in enumerate(batch):
@@ -344,6 +354,48 @@ class HFPolicy(Policy):
                 )
             )
         return turns
+
+    def _decode_loop(self, ids: Any, mask: Any, sampler: _Sampler, steps: int) -> bool:
+        """Sample ``steps`` tokens per row with the KV cache, each distinct prompt prefilled
+        once (a group's samples share theirs: 8 rows of ``copy``, one prefill). What
+        ``generate`` would do over the one-hot rows ``_Sampler`` hands it, without its
+        per-call set-up, which dominates small models. False (nothing sampled) when the
+        model's cache cannot be shared out by row, and ``generate`` is used instead."""
+        import torch
+
+        rows = torch.cat([ids, mask], dim=1)
+        distinct, row_prompt = torch.unique(rows, dim=0, return_inverse=True)
+        width = ids.size(1)
+        p_ids, p_mask = distinct[:, :width], distinct[:, width:]
+        positions = (p_mask.cumsum(-1) - 1).clamp_(min=0)  # left padding, as generate has it
+        out = self.model(
+            input_ids=p_ids, attention_mask=p_mask, position_ids=positions, use_cache=True
+        )
+        cache = out.past_key_values
+        if not hasattr(cache, "reorder_cache"):
+            return False
+        cache.reorder_cache(row_prompt)
+        scores = out.logits[row_prompt, -1]
+        position = positions[row_prompt, -1]
+        eos = torch.tensor(self.eos_ids, device=ids.device)
+        done = torch.zeros(ids.size(0), dtype=torch.bool, device=ids.device)
+        for step in range(steps):
+            token = sampler(None, scores).argmax(dim=-1)
+            done |= torch.isin(token, eos)
+            if step == steps - 1 or bool(done.all()):
+                break
+            token = token.masked_fill(done, self.pad_id)  # finished rows carry padding on
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            position = position + 1
+            out = self.model(
+                input_ids=token[:, None],
+                attention_mask=mask,
+                position_ids=position[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache, scores = out.past_key_values, out.logits[:, -1]
+        return True
 
     # ------------------------------------------------------------------ weights
 

@@ -305,3 +305,33 @@ def test_reloads_lora_adapters(tiny_dir, copy_task, r, redis_url, tmp_path):
     base, v1, v2 = asyncio.run(main())
     assert v1.logprobs != pytest.approx(base.logprobs, abs=1e-3)
     assert v2.logprobs != pytest.approx(v1.logprobs, abs=1e-3)
+
+
+def test_decode_loop_samples_what_generate_samples_with_one_prefill_per_prompt(tiny_dir, copy_task):
+    """Groups share their prompt: the loop prefills each distinct prompt once, and still
+    samples the tokens (and log-probs) transformers' generate samples."""
+    texts = ["c d e", "a b c d e", "f g h"]
+    tasks = [copy_task(f"p{g}:{k}", texts[g]) for g in range(3) for k in range(4)]
+    loop, generate = make(tiny_dir, max_new_tokens=6), make(tiny_dir, max_new_tokens=6)
+    generate.decode = "generate"
+    prefill_rows: list[int] = []
+
+    def first_forward(_module, _args, kwargs):
+        if kwargs.get("past_key_values") is None:
+            prefill_rows.append(kwargs["input_ids"].size(0))
+
+    loop.model.register_forward_pre_hook(first_forward, with_kwargs=True)
+    ours = asyncio.run(gather(loop, [request(t) for t in tasks]))
+    theirs = asyncio.run(gather(generate, [request(t) for t in tasks]))
+    assert loop.generate_calls == generate.generate_calls == 1
+    assert prefill_rows == [3]  # 12 rows, 3 distinct prompts (two lengths: left padding)
+    assert [t.token_ids for t in ours] == [t.token_ids for t in theirs]
+    assert len({tuple(t.token_ids) for t in ours}) > 3  # samples of a prompt differ
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        assert a.finish_reason == b.finish_reason
+
+
+def test_decode_option_is_checked(tiny_dir):
+    with pytest.raises(ValueError, match="decode must be loop or generate"):
+        make(tiny_dir, decode="beam")
