@@ -900,15 +900,16 @@ def demo(
     seconds: float, target: float, as_json: bool, config_path: str | None, rollout_workers: int
 ) -> None:
     """Train a tiny model on `copy` through the whole pipeline, on a private Redis, live."""
-    from streamrl.demo import train_demo
+    from streamrl.demo import sigterm_as_interrupt, train_demo
 
-    res = train_demo(
-        seconds=seconds,
-        target=target,
-        live=not as_json,
-        config=config_path,
-        rollout_workers=rollout_workers,
-    )
+    with sigterm_as_interrupt():
+        res = train_demo(
+            seconds=seconds,
+            target=target,
+            live=not as_json,
+            config=config_path,
+            rollout_workers=rollout_workers,
+        )
     click.echo(json.dumps(res) if as_json else json.dumps(res, indent=2))
 
 

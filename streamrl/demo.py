@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,24 @@ def _toml(run: RunConfig, learner: dict) -> str:
 
 class Stopped(Exception):
     pass
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """``kill <pid>`` stops the demo as Ctrl-C does: the learner checkpoints, the workers,
+    the fork server and the private Redis go with it, instead of running on as orphans."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def train_demo(

@@ -46,6 +46,9 @@ def write_policy(model: Any, tokenizer: Any, policy_dir: Path, version: int) -> 
     tmp = policy_dir / f"{TMP_PREFIX}v{version}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # else a "Writing model shards" bar per version in the log
     model.save_pretrained(tmp, max_shard_size="1000GB")  # one model.safetensors
     tokenizer.save_pretrained(tmp)
     for f in tmp.iterdir():
