@@ -669,6 +669,14 @@ def export(
     click.echo(json.dumps({**summary, "skipped": res.skipped}), err=True)
 
 
+def _report(res: dict, as_json: bool, failed: bool = False) -> None:
+    """Print a run's result (one JSON line for machines, indented for people) and
+    exit 1 when the run lost, doubled or dead-lettered work: a fast figure means nothing then."""
+    click.echo(json.dumps(res) if as_json else json.dumps(res, indent=2))
+    if failed:
+        sys.exit(1)
+
+
 @main.group()
 def bench() -> None:
     """Benchmarks that print JSON."""
@@ -695,9 +703,7 @@ def bench_pipeline(tasks, group_size, turns, rollout_workers, verify_workers, as
         verify_workers=verify_workers,
         progress=None if as_json else lambda m: click.echo(m, err=True),
     )
-    click.echo(json.dumps(res) if as_json else json.dumps(res, indent=2))
-    if res["lost"] or res["duplicated"]:
-        sys.exit(1)
+    _report(res, as_json, failed=bool(res["lost"] or res["duplicated"]))
 
 
 @bench.command("sessions")
@@ -733,9 +739,7 @@ def bench_sessions(sessions, turns, latency_s, rollout_workers, verify_workers, 
         verify_workers=verify_workers,
         progress=None if as_json else lambda m: click.echo(m, err=True),
     )
-    click.echo(json.dumps(res) if as_json else json.dumps(res, indent=2))
-    if res["lost"] or res["duplicated"] or res["dead_letters"]:
-        sys.exit(1)
+    _report(res, as_json, failed=bool(res["lost"] or res["duplicated"] or res["dead_letters"]))
 
 
 @bench.command("nemo-gym")
@@ -772,9 +776,7 @@ def bench_nemo_gym(
         verify_workers=verify_workers,
         progress=None if as_json else lambda m: click.echo(m, err=True),
     )
-    click.echo(json.dumps(res) if as_json else json.dumps(res, indent=2))
-    if res["lost"] or res["duplicated"]:
-        sys.exit(1)
+    _report(res, as_json, failed=bool(res["lost"] or res["duplicated"]))
 
 
 @bench.command("chaos")
@@ -830,9 +832,7 @@ def bench_chaos(
     res = chaos_bench(cfg, directory=directory, progress=say)
     if as_json:
         res = {k: v for k, v in res.items() if k != "faults"}
-    click.echo(json.dumps(res) if as_json else json.dumps(res, indent=2))
-    if not clean(res):
-        sys.exit(1)
+    _report(res, as_json, failed=not clean(res))
 
 
 @bench.command("vs-trl")
@@ -860,7 +860,7 @@ def bench_vs_trl(runs, trl_lr, seconds, target, config_path, as_json) -> None:
 
     say = lambda m: click.echo(m, err=True)  # noqa: E731  (stderr: stdout stays JSON)
     res = vs_trl(runs, trl_lr, seconds, target, config_path, progress=say)
-    click.echo(json.dumps(res) if as_json else json.dumps(res, indent=2))
+    _report(res, as_json)
 
 
 @bench.command("offpolicy")
@@ -880,7 +880,7 @@ def bench_offpolicy(lag: int, steps: int, seconds: float, seed: int, as_json: bo
         seed=seed,
         progress=None if as_json else lambda m: click.echo(m, err=True),
     )
-    click.echo(json.dumps(res) if as_json else json.dumps(res, indent=2))
+    _report(res, as_json)
 
 
 @main.command()
@@ -910,7 +910,7 @@ def demo(
             config=config_path,
             rollout_workers=rollout_workers,
         )
-    click.echo(json.dumps(res) if as_json else json.dumps(res, indent=2))
+    _report(res, as_json)
 
 
 _LEARN_HELP = "Train: read scored groups, take GRPO steps, publish policy versions."

@@ -55,7 +55,7 @@ CASES = [
     ("env-option-type", ["--redis", "{url}", "produce", "--env", "counter", "--count", "1",
      "--env-option", "steps=abc"], {}, 1, "option steps='abc': Expected `int`, got `str`"),
     ("env-option-range", ["--redis", "{url}", "produce", "--env", "counter", "--count", "1",
-     "--env-option", "steps=0"], {}, 1, "option steps=0: Expected `int` >= 1"),
+     "--env-option", "steps=-1"], {}, 1, "option steps=-1: Expected `int` >= 0"),
     ("env-option-choice", ["--redis", "{url}", "produce", "--env", "sudoku", "--count", "1",
      "--env-option", "size=5"], {}, 1, "option size=5: Invalid enum value 5"),
     ("env-option-no-equals", ["--redis", "{url}", "produce", "--env", "counter", "--count", "1",

@@ -2,8 +2,8 @@
 
 The task: start at S, call ``add`` once per listed number, then answer with the final value.
 With ``steps = T - 1`` an episode that follows the reference takes exactly T model turns.
-Options: ``steps`` (tool calls per episode, default 2), ``raise_on`` (the ``add`` tool raises
-for this number: a broken tool, for tests).
+Options: ``steps`` (tool calls per episode, default 2; 0 makes it single-turn), ``raise_on``
+(the ``add`` tool raises for this number: a broken tool, for tests).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class CounterEnv(Environment[CounterState]):
     State = CounterState
 
     class Options(msgspec.Struct, kw_only=True):
-        steps: Annotated[int, msgspec.Meta(ge=1, le=100)] = 2
+        steps: Annotated[int, msgspec.Meta(ge=0, le=100)] = 2
         raise_on: int | None = None  # the add tool raises on this number (fault tests)
 
     tools = [
@@ -57,10 +57,13 @@ class CounterEnv(Environment[CounterState]):
         steps = int(self.options.get("steps", 2))
         start = rng.randint(0, 99)
         numbers = [rng.randint(1, 20) for _ in range(steps)]
-        text = (
-            f"The counter starts at {start}. Use the add tool to add each of these numbers "
-            f"in order: {' '.join(map(str, numbers))}. Then reply with the final value only."
-        )
+        if numbers:
+            text = (
+                f"The counter starts at {start}. Use the add tool to add each of these numbers "
+                f"in order: {' '.join(map(str, numbers))}. Then reply with the final value only."
+            )
+        else:
+            text = f"The counter starts at {start}. Reply with its value only."
         return Prompt([user(text)], {"start": start, "numbers": numbers})
 
     def reset(self, task: Task) -> CounterState:
