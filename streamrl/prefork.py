@@ -20,6 +20,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import runpy
+import shlex
 import signal
 import subprocess
 import sys
@@ -27,6 +28,8 @@ import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from setproctitle import setproctitle, setthreadtitle
 
 # What the roles import before their first useful line; a module missing here is simply
 # imported by the child (the server skips what fails to import).
@@ -108,6 +111,10 @@ def _child(argv: list[str], env: dict[str, str], log: str | None, new_session: b
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    # `ps` shows the role, not the fork server's command line. (Before the environment is
+    # replaced: setproctitle finds the end of the argv area from the original environ.)
+    setproctitle(shlex.join(argv))
+    setthreadtitle(os.path.basename(argv[0])[:15])  # `comm` (top's name) as a spawned one has it
     os.environ.clear()
     os.environ.update(env)
     _as_if_spawned()

@@ -4,9 +4,11 @@ with its own argv, env and log, and behaves like a Popen to whoever stops it."""
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,23 @@ def test_new_session_and_signals_reach_the_child(forks, tmp_path):
     assert p.wait(timeout=30) == -signal.SIGKILL
     assert "session_leader=True" in log.read_text()
     assert p.pid not in descendants(forks.server_pid or 0)
+
+
+def test_ps_shows_the_role_not_the_fork_server(forks, tmp_path):
+    log = tmp_path / "child.log"
+    p = forks.popen(_argv("wait"), log, env={})
+    try:
+        deadline = time.monotonic() + 60
+        while "argv=" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline and p.poll() is None, "the child did not start"
+            time.sleep(0.05)
+        cmdline = Path(f"/proc/{p.pid}/cmdline").read_bytes().replace(b"\0", b" ").strip()
+        assert cmdline.decode() == shlex.join(_argv("wait"))
+        comm = Path(f"/proc/{p.pid}/comm").read_text().strip()
+        assert comm == Path(sys.executable).name[:15]
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
 
 
 def test_only_python_dash_m_commands(forks):
