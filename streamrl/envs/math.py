@@ -179,7 +179,9 @@ def load_dataset(path: str | Path) -> list[dict[str, Any]]:
 
 class MathEnv(Environment[MathState]):
     name = "math"
-    version = "2"  # 2: a true final equation answers its right side; numbers written as numbers
+    # 2: a true final equation answers its right side; numbers written as numbers
+    # 3: a polynomial expected in simplest form must be answered in simplest form
+    version = "3"
     State = MathState
 
     class Options(msgspec.Struct, kw_only=True):

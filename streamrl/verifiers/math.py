@@ -6,9 +6,11 @@ variables, ``+ - * / ^``, ``\\cdot``/``\\times``, parentheses and implicit produ
 \\frac{1}{2}`` and ``2x+1 == 1+2x``. Decimals are exact (``0.33 != 1/3``); a trailing ``%``, a
 ``\\text{...}`` unit and a leading ``x =`` are ignored. When the expected answer is a number,
 the answer must be written as one (``25``, ``-3/4``, ``\\frac{3}{4}``): ``17 + 8`` evaluates
-to 25 but only restates the question. A final equation ``17 + 8 = 25`` answers
-its right side, but only when it is true: a left side that is a number must equal the right
-(``49 + 5 = 12`` answers nothing). It never calls ``eval``: unknown syntax,
+to 25 but only restates the question. Likewise, when the expected answer is a polynomial
+written in simplest form (unlike monomials, no parentheses: ``2x + 10``), the answer must be
+too: ``3(x + 2) - x + 4`` has its value but is the question. A final equation
+``17 + 8 = 25`` answers its right side, but only when it is true: a left side that is a number
+must equal the right (``49 + 5 = 12`` answers nothing). It never calls ``eval``: unknown syntax,
 division by a non-constant, exponents outside 0..64 and numbers past a size bound are parse
 failures. An expected answer that does not parse (a dataset's "Paris") is compared as a
 normalized string instead; when the expected answer parses, the answer must parse too.
@@ -235,6 +237,12 @@ def equivalent(answer: str, expected: str) -> bool:
         answer = _equation_rhs(answer)
         if _constant(want) is not None and not _is_number(answer):
             return False  # "17 + 8" is the question, not its answer
+        if (
+            _constant(want) is None
+            and _in_simplest_form(expected)
+            and not _in_simplest_form(answer)
+        ):
+            return False  # "3(x + 2) - x + 4" restates "Simplify 3(x + 2) - x + 4."
         return parse(answer) == want
     except ParseError:
         return False
@@ -255,6 +263,55 @@ def _is_number(text: str) -> bool:
     if shape[:1] in (("-",), ("+",)):
         shape = shape[1:]
     return shape in _NUMBER_SHAPES
+
+
+def _coefficient(toks: list[tuple[str, str]], i: int) -> int:
+    """The index after a written number at ``i`` (``3``, ``3/4``, ``\\frac{3}{4}``), or ``i``."""
+    for shape in sorted(_NUMBER_SHAPES, key=len, reverse=True):
+        got = tuple(k if k in ("num", "frac") else v for k, v in toks[i : i + len(shape)])
+        if got == shape:
+            return i + len(shape)
+    return i
+
+
+def _in_simplest_form(text: str) -> bool:
+    """Written as a sum of unlike monomials, each a number times powers of distinct variables
+    (``2x + 10``, ``x^2 - 3/4y``), with no parentheses and no two terms alike: the form a
+    "simplify" question asks for. ``3(x + 2) - x + 4`` has the right value but is the question.
+    """
+    toks, seen = _tokens(text), set()
+
+    def at(j: int) -> tuple[str, str] | None:
+        return toks[j] if j < len(toks) else None
+
+    i = 1 if at(0) in (("op", "-"), ("op", "+")) else 0
+    while True:
+        start, i = i, _coefficient(toks, i)
+        if i > start and at(i) == ("op", "*") and (at(i + 1) or ("",))[0] == "var":
+            i += 1
+        powers: dict[str, str] = {}
+        while (at(i) or ("",))[0] == "var":
+            var = toks[i][1]
+            if var in powers:
+                return False  # "x x" is x^2 written as a product
+            powers[var], i = "1", i + 1
+            if at(i) == ("op", "^") and (at(i + 1) or ("",))[0] == "num":
+                powers[var], i = toks[i + 1][1], i + 2
+            if at(i) == ("op", "*") and (at(i + 1) or ("",))[0] == "var":
+                i += 1
+        if powers and at(i) == ("op", "/") and (at(i + 1) or ("",))[0] == "num":
+            i += 2  # 2x/3
+        if i == start:
+            return False  # an empty term, or one that opens with "(" or an operator
+        signature = tuple(sorted(powers.items()))
+        if signature in seen:
+            return False  # like terms left uncombined
+        seen.add(signature)
+        if at(i) is None:
+            return True
+        if at(i) not in (("op", "+"), ("op", "-")):
+            return False
+        i += 1
 
 
 _EQUALS = re.compile(r"(?<![<>!=])=(?!=)")

@@ -21,8 +21,13 @@ from streamrl.verifiers.math import ParseError, equivalent, parse, score
         ("\\frac{1}{2}", "0.5"),
         ("\\dfrac{3}{6}", "1/2"),
         ("2x+1", "1+2x"),
-        ("3(x + 2) - x + 4", "2x + 10"),
-        ("(x+1)^2", "x^2 + 2x + 1"),
+        ("10 + 2x", "2x + 10"),
+        ("x^2 + 2x + 1", "(x+1)^2"),  # an expected answer not in simplest form: value only
+        ("(x+1)^2", "(x+1)^2"),
+        ("x = -x + 17", "17 - x"),
+        ("2 * x + 3/4", "2x + 0.75"),
+        ("2x/3 + 1", "\\frac{2}{3}x + 1"),
+        ("xy - 1", "x*y - 1"),
         ("x = -12", "-12"),
         ("1,234", "1234"),
         ("\\$12.75", "51/4"),
@@ -56,6 +61,12 @@ def test_equivalent_forms(answer: str, expected: str) -> None:
         ("2 * 3 \\times 4", "24"),
         ("1 = 2 = 3", "3"),
         ("x <= 3", "3"),
+        # the question of a "simplify" task restated (its value is right; its form is not)
+        ("3(x + 2) - x + 4", "2x + 10"),
+        ("(x+1)^2", "x^2 + 2x + 1"),
+        ("x + x + 10", "2x + 10"),
+        ("2x + 4 + 6", "2x + 10"),
+        ("x x + 1", "x^2 + 1"),
     ],
 )
 def test_different_answers(answer: str, expected: str) -> None:
