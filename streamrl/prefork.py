@@ -34,6 +34,7 @@ from setproctitle import setproctitle, setthreadtitle
 # What the roles import before their first useful line; a module missing here is simply
 # imported by the child (the server skips what fails to import).
 PRELOAD = [
+    "streamrl.prefork_server",  # names the server in `ps`
     "torch",
     "transformers",
     "transformers.models.llama.modeling_llama",

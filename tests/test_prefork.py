@@ -67,6 +67,18 @@ def test_ps_shows_the_role_not_the_fork_server(forks, tmp_path):
         p.wait(timeout=30)
 
 
+def test_ps_names_the_fork_server_and_its_owner(forks):
+    deadline = time.monotonic() + 60
+    while True:
+        pid = forks.server_pid
+        title = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").decode() if pid else ""
+        if title.startswith("streamrl prefork server"):
+            break
+        assert time.monotonic() < deadline, f"the server's command line is {title[:80]!r}"
+        time.sleep(0.05)
+    assert title == f"streamrl prefork server (for pid {os.getpid()})"
+
+
 def test_only_python_dash_m_commands(forks):
     with pytest.raises(ValueError, match="python -m"):
         forks.popen([sys.executable, "script.py"])
