@@ -28,19 +28,23 @@ def rq_worker_cmd(url: str, queue: str, name: str | None = None, quiet: bool = T
     return cmd
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """``/proc/PID/stat``'s fields after the command name (field 1 is the parent pid, 11..14
+    the CPU times), or None when the process is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw[raw.rindex(")") + 2 :].split()
+
+
 def proc_table() -> tuple[dict[int, list[int]], dict[int, list[str]]]:
-    """Every process in /proc: children by parent pid, and each pid's ``stat`` fields after
-    the command name (so field 1 is the parent pid, 11..14 the CPU times)."""
+    """Every process in /proc: children by parent pid, and each pid's ``_stat`` fields."""
     children: dict[int, list[int]] = {}
     stats: dict[int, list[str]] = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or (fields := _stat(entry.name)) is None:
             continue
-        try:
-            raw = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = raw[raw.rindex(")") + 2 :].split()
         pid = int(entry.name)
         stats[pid] = fields
         children.setdefault(int(fields[1]), []).append(pid)
@@ -177,12 +181,8 @@ def tree_cpu(roots: list[int]) -> float:
 
 def own_cpu(pid: int) -> float:
     """CPU seconds ``pid`` itself used (not its children's)."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    fields = raw[raw.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / _TICK if fields else 0.0
 
 
 def self_cpu() -> float:
