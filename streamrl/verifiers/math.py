@@ -248,30 +248,32 @@ def equivalent(answer: str, expected: str) -> bool:
         return False
 
 
-_NUMBER_SHAPES = {
-    ("num",),
-    ("num", "/", "num"),
+# a number written out, longest shape first (the first that matches is the whole number)
+_NUMBER_SHAPES = (
     ("frac", "{", "num", "}", "{", "num", "}"),
-}
+    ("num", "/", "num"),
+    ("num",),
+)
+_SIGNS = (("op", "-"), ("op", "+"))
+
+
+def _number_end(toks: list[tuple[str, str]], i: int) -> int:
+    """The index after a number written out at ``i`` (``3``, ``3/4``, ``\\frac{3}{4}``), or
+    ``i`` when none starts there."""
+    for shape in _NUMBER_SHAPES:
+        got = tuple(k if k in ("num", "frac") else v for k, v in toks[i : i + len(shape)])
+        if got == shape:
+            return i + len(shape)
+    return i
 
 
 def _is_number(text: str) -> bool:
     """A number written out (``25``, ``-3/4``, ``0.75``, ``\\frac{3}{4}``), not an expression
     that evaluates to one: when the expected answer is a number, echoing the question's
     arithmetic must not count as answering it."""
-    shape = tuple(kind if kind in ("num", "frac") else value for kind, value in _tokens(text))
-    if shape[:1] in (("-",), ("+",)):
-        shape = shape[1:]
-    return shape in _NUMBER_SHAPES
-
-
-def _coefficient(toks: list[tuple[str, str]], i: int) -> int:
-    """The index after a written number at ``i`` (``3``, ``3/4``, ``\\frac{3}{4}``), or ``i``."""
-    for shape in sorted(_NUMBER_SHAPES, key=len, reverse=True):
-        got = tuple(k if k in ("num", "frac") else v for k, v in toks[i : i + len(shape)])
-        if got == shape:
-            return i + len(shape)
-    return i
+    toks = _tokens(text)
+    i = 1 if toks[:1] and toks[0] in _SIGNS else 0
+    return i < len(toks) and _number_end(toks, i) == len(toks)
 
 
 def _in_simplest_form(text: str) -> bool:
@@ -284,22 +286,25 @@ def _in_simplest_form(text: str) -> bool:
     def at(j: int) -> tuple[str, str] | None:
         return toks[j] if j < len(toks) else None
 
-    i = 1 if at(0) in (("op", "-"), ("op", "+")) else 0
+    def kind(j: int) -> str:
+        return toks[j][0] if j < len(toks) else ""
+
+    i = 1 if at(0) in _SIGNS else 0
     while True:
-        start, i = i, _coefficient(toks, i)
-        if i > start and at(i) == ("op", "*") and (at(i + 1) or ("",))[0] == "var":
+        start, i = i, _number_end(toks, i)
+        if i > start and at(i) == ("op", "*") and kind(i + 1) == "var":
             i += 1
         powers: dict[str, str] = {}
-        while (at(i) or ("",))[0] == "var":
+        while kind(i) == "var":
             var = toks[i][1]
             if var in powers:
                 return False  # "x x" is x^2 written as a product
             powers[var], i = "1", i + 1
-            if at(i) == ("op", "^") and (at(i + 1) or ("",))[0] == "num":
+            if at(i) == ("op", "^") and kind(i + 1) == "num":
                 powers[var], i = toks[i + 1][1], i + 2
-            if at(i) == ("op", "*") and (at(i + 1) or ("",))[0] == "var":
+            if at(i) == ("op", "*") and kind(i + 1) == "var":
                 i += 1
-        if powers and at(i) == ("op", "/") and (at(i + 1) or ("",))[0] == "num":
+        if powers and at(i) == ("op", "/") and kind(i + 1) == "num":
             i += 2  # 2x/3
         if i == start:
             return False  # an empty term, or one that opens with "(" or an operator
@@ -309,7 +314,7 @@ def _in_simplest_form(text: str) -> bool:
         seen.add(signature)
         if at(i) is None:
             return True
-        if at(i) not in (("op", "+"), ("op", "-")):
+        if at(i) not in _SIGNS:
             return False
         i += 1
 
