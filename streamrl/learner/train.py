@@ -15,10 +15,15 @@ from streamrl.learner.losses import policy_loss, token_entropy, token_logps
 
 
 def sequence_logps(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    temperature: float,
+    prompt_lens: list[int] | None = None,
 ) -> Tensor:
-    """log π(token t+1 | tokens ≤ t) for every position: (B, L-1)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    """log π(token t+1 | tokens ≤ t) for every position: (B, L-1) (see ``shifted_logits``
+    for ``prompt_lens``)."""
+    logits = shifted_logits(model, input_ids, attention_mask, prompt_lens)
     return token_logps(logits, input_ids[:, 1:], temperature)
 
 
@@ -49,9 +54,7 @@ def shifted_logits(
                 position_ids=positions,
                 use_cache=False,
             ).logits
-            first = head.logits[
-                row_prompt, length - 1 : length
-            ]  # predicts the 1st completion token
+            first = head.logits[row_prompt, length - 1 : length]  # the 1st completion token's
             before = first.new_zeros(ids.size(0), length - 1, first.size(-1))
             return torch.cat([before, first, tail[:, :-1]], dim=1)
     return model(input_ids=ids, attention_mask=attn).logits[:, :-1]
@@ -144,7 +147,7 @@ def chunk_loss(
         if ref_model is None:
             raise ValueError("beta != 0 needs a reference model")
         with torch.no_grad():
-            ref = sequence_logps(ref_model, ids, attn, cfg.temperature)
+            ref = sequence_logps(ref_model, ids, attn, cfg.temperature, prompt_lens)
     loss = policy_loss(
         logps,
         old,

@@ -66,3 +66,35 @@ def test_prompts_of_different_lengths_run_whole(tiny_dir):
     whole = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
     torch.testing.assert_close(mixed, whole)
     torch.testing.assert_close(distinct, whole)
+
+
+def test_the_reference_model_shares_prompts_too(tiny_dir):
+    """With beta > 0 the reference model's log-probs take the same shared-prompt path: the KL
+    term, and so the loss and gradients, match running every sequence whole."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    model.train()
+    ref = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    with torch.no_grad():  # a reference that differs from the policy: the KL is not zero
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    batch = make_batch(make_groups(tiny_dir, 3, seed=5), build_tokenizer().pad_token_id, "group")
+    cfg = LearnerConfig(model=str(tiny_dir), max_completion_length=4, beta=0.1)
+    ref_calls = _forwards(ref)
+    model.zero_grad(set_to_none=True)
+    shared = batch_loss(model, batch, cfg, ref_model=ref)
+    g_shared = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert len(ref_calls) == 2  # the prompts once, then the completions
+    ref_calls.clear()
+    plain_cfg = msgspec.structs.replace(cfg, share_prompts=False)
+    model.zero_grad(set_to_none=True)
+    whole = batch_loss(model, batch, plain_cfg, ref_model=ref)
+    assert len(ref_calls) == 1
+    g_whole = {n: p.grad.clone() for n, p in model.named_parameters()}
+    no_kl_cfg = msgspec.structs.replace(plain_cfg, beta=0.0)
+    no_kl = batch_loss(model, batch, no_kl_cfg, ref_model=ref, backward=False)
+    assert abs(whole.loss - no_kl.loss) > 1e-4  # the KL term is really in the loss
+    assert shared.loss == pytest.approx(whole.loss, abs=1e-6)
+    for name, g in g_whole.items():
+        torch.testing.assert_close(g_shared[name], g, atol=1e-6, rtol=1e-4, msg=name)
