@@ -42,9 +42,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from streamrl.config import PolicyConfig, RunConfig  # noqa: E402
-from streamrl.export import ExportFilter, export_rows  # noqa: E402
-from streamrl.pipeline import LocalPipeline  # noqa: E402
-from streamrl.producer import Producer  # noqa: E402
+from streamrl.local.pipeline import LocalPipeline  # noqa: E402
+from streamrl.ops.export import ExportFilter, export_rows  # noqa: E402
+from streamrl.producer.produce import Producer  # noqa: E402
 from tests.support.nemo_gym import COUNTER_TOOLS, counter_row, free_port, write_rows  # noqa: E402
 
 SERVERS = Path(__file__).resolve().parent / "nemo_gym_pypi" / "servers.py"
@@ -183,7 +183,7 @@ def counter_part(python: str, tmp: Path, prompts: int) -> dict:
 
 
 def copy_part(python: str, tmp: Path, steps: int, seconds: float) -> dict:
-    from streamrl.demo import DEMO_CONFIG, train_demo
+    from streamrl.local.demo import DEMO_CONFIG, train_demo
 
     rng = random.Random(1)
     symbols = [chr(ord("a") + i) for i in range(16)]

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from streamrl.bench import nemo_gym_bench, pipeline_bench  # noqa: E402
+from streamrl.benchmarks.pipeline import nemo_gym_bench, pipeline_bench  # noqa: E402
 from tests.support.nemo_gym import counter_row, resources_server, write_rows  # noqa: E402
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import redis
 
-from streamrl.procs import stop_all
+from streamrl.local.procs import stop_all
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "copy-tiny.toml"

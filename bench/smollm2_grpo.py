@@ -30,7 +30,7 @@ from pathlib import Path
 
 import redis
 
-from streamrl.procs import stop_all
+from streamrl.local.procs import stop_all
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "smollm2-add.toml"

@@ -9,6 +9,7 @@ way in and written as one ``output_text`` part on the way out.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
@@ -167,3 +168,64 @@ def tools_from_json(raw: Any) -> list[FunctionTool]:
             )
         )
     return tools
+
+
+def row_to_prompt(line: str | bytes) -> tuple[list[Item], dict[str, Any], str]:
+    """A JSONL row -> (input items, verifier data, prompt id or "").
+
+    Accepted shapes: NeMo Gym rows (``responses_create_params.input`` as a string or a list of
+    Responses items; every other top-level field becomes verifier data, and so do the params'
+    other fields, ``tools`` included, under ``responses_create_params``), or plain rows with a
+    ``prompt`` (string) or ``input`` (items). An optional ``id`` names the prompt and ``env``
+    picks the environment for this row.
+    """
+    if isinstance(line, bytes):
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"not UTF-8: byte 0x{line[e.start]:02x} at column {e.start + 1}"
+            ) from None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e.msg} at column {e.colno}") from None
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+    row = dict(row)
+    params = row.pop("responses_create_params", None)
+    raw_input = params.get("input") if isinstance(params, dict) else None
+    if raw_input is None:
+        raw_input = row.pop("input", None) or row.pop("prompt", None)
+    if raw_input is None:
+        raise ValueError("no prompt: need responses_create_params.input, input or prompt")
+    if isinstance(raw_input, str):
+        raw_input = [{"type": "message", "role": "user", "content": raw_input}]
+    items = []
+    for i, item in enumerate(raw_input if isinstance(raw_input, list) else [raw_input]):
+        if isinstance(item, dict) and "type" not in item and "role" in item:
+            item = {"type": "message", **item}
+        if isinstance(item, dict) and isinstance(item.get("content"), list):
+            # Responses content parts -> plain text
+            parts = item["content"]
+            if not all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in parts):
+                raise ValueError(
+                    f"input item {i}: content parts must be objects with a string `text`"
+                )
+            item = {**item, "content": "".join(p.get("text", "") for p in parts)}
+        try:
+            items.append(msgspec.convert(item, Item))
+        except msgspec.ValidationError as e:
+            raise ValueError(f"input item {i}: {e}") from None
+    if not any(isinstance(x, Message) and x.content.strip() for x in items):
+        raise ValueError("empty prompt: no message with text")
+    pid = str(row.pop("id", "") or "")
+    if isinstance(params, dict) and set(params) - {"input"}:
+        # tools and sampling settings: the nemo-gym environment offers these tools and sends
+        # the whole params (input rebuilt from the task's items) to /seed_session and /verify
+        row["responses_create_params"] = {k: v for k, v in params.items() if k != "input"}
+    row.pop("response", None)
+    row.pop("reward", None)
+    return items, row, pid

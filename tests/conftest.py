@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from streamrl.embedded import EmbeddedRedis
+from streamrl.local.embedded import EmbeddedRedis
 
 ROOT = Path(__file__).resolve().parent.parent
 

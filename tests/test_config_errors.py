@@ -67,7 +67,7 @@ def test_shipped_configs_pass(path, monkeypatch):
 
 
 def test_demo_runs_the_shipped_config():
-    from streamrl.demo import DEMO_CONFIG
+    from streamrl.local.demo import DEMO_CONFIG
 
     assert DEMO_CONFIG.resolve() == (ROOT / "configs" / "copy-tiny.toml").resolve()
 

@@ -277,7 +277,7 @@ def test_images_build_only_what_their_roles_need():
         "import sys\n"
         "sys.modules['torch'] = None\n"
         "sys.modules['transformers'] = None\n"
-        "import streamrl.cli, streamrl.metrics, streamrl.workers.lease_worker\n"
+        "import streamrl.cli, streamrl.ops.metrics, streamrl.workers.lease_worker\n"
         "import streamrl.workers.verify as v, streamrl.workers.rollout, streamrl.policy.openai\n"
         "from streamrl.envs import make_env\n"
         "from streamrl.envs.registry import BUILTIN\n"
@@ -359,7 +359,7 @@ def test_prometheus_scrapes_the_exporter():
 
 
 def test_dashboard_uses_only_exported_metrics():
-    from streamrl.metrics import _Families
+    from streamrl.ops.metrics import _Families
 
     exported = set()
     for family in vars(_Families()).values():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.embedded import EmbeddedRedis, RedisNotInstalled
+from streamrl.local.embedded import EmbeddedRedis, RedisNotInstalled
 from tests.support.cli import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent

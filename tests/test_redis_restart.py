@@ -18,11 +18,11 @@ import redis
 
 from streamrl import schema
 from streamrl.bus.keys import Keys
+from streamrl.bus.streams import xrange_all
 from streamrl.defaults import LEARNER_GROUP, ROLLOUT_QUEUE, VERIFY_QUEUE
 from streamrl.learner.loop import id_key
+from streamrl.local.procs import WorkerProcs
 from streamrl.models.tiny import save_tiny
-from streamrl.pipeline import xrange_all
-from streamrl.procs import WorkerProcs
 from tests.support.waiting import wait_for
 
 RUN = "restart"

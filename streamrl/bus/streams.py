@@ -5,7 +5,7 @@ sync client (verifier, learner) and the asyncio client (rollout) share them."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,3 +132,16 @@ class Scripts:
         self.deadletter = client.register_script(scripts.DEADLETTER)
         self.produce = client.register_script(scripts.PRODUCE)
         self.trim = client.register_script(scripts.TRIM)
+
+
+def xrange_all(r: redis.Redis, stream: str) -> Iterator[tuple[bytes, dict]]:
+    """Every entry of a stream, oldest first, read in pages (reports and replays)."""
+    last = "-"
+    while True:
+        rows = r.xrange(stream, min=last, count=5000)
+        if last != "-":
+            rows = rows[1:]
+        if not rows:
+            return
+        yield from rows
+        last = rows[-1][0].decode()

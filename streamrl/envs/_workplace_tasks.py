@@ -14,10 +14,10 @@ from typing import Any
 
 import msgspec
 
-from streamrl.envs._workplace_state import Contact, WorkplaceState
 from streamrl.envs.base import Prompt, user
 from streamrl.schema import Message
 from streamrl.verifiers.workplace import AnswerSpec, EmailSpec, EventChanges, EventSpec, Expect
+from streamrl.verifiers.workplace_state import Contact, WorkplaceState
 
 ME_NAME, ME = "Sam Rivera", "sam.rivera@acme.test"
 TODAY = "2025-03-03"

@@ -17,6 +17,7 @@ import msgspec
 
 from streamrl.envs.toolschema import validate_arguments
 from streamrl.schema import FunctionCall, FunctionTool, Item, Message, Task, Trajectory
+from streamrl.verifiers.verdict import Verdict
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -37,15 +38,6 @@ class ReplyResult(NamedTuple):
     message: str | None  # None: the environment has nothing to say
     done: bool
     state: Any
-
-
-class Verdict(msgspec.Struct, kw_only=True):
-    """A verifier's answer before the worker stamps it into a Score."""
-
-    reward: float
-    components: dict[str, float] = msgspec.field(default_factory=dict)
-    details: dict[str, str] = msgspec.field(default_factory=dict)
-    info: dict[str, Any] = msgspec.field(default_factory=dict)  # other JSON the verifier kept
 
 
 class ToolError(Exception):

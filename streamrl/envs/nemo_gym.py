@@ -220,7 +220,7 @@ class NemoGymEnv(Environment[NemoGymState]):
         """Prompt ``index`` is row ``index % len(rows)`` of the ``rows`` option's file, so
         ``streamrl produce --env nemo-gym --count N`` (and a config-driven run) can cycle a
         NeMo Gym dataset for as many prompts as training takes."""
-        from streamrl.producer import row_to_prompt
+        from streamrl.responses import row_to_prompt
 
         if self._rows is None:
             path = str(self.options.get("rows") or "")
@@ -244,9 +244,9 @@ class NemoGymEnv(Environment[NemoGymState]):
 
     # ---------------------------------------------------------------- HTTP
     def _http(self) -> Any:
-        from streamrl.policy.openai import _http
+        from streamrl.http import httpx_api
 
-        return _http()
+        return httpx_api()
 
     def _client_kwargs(self) -> dict[str, Any]:
         http = self._http()

@@ -20,7 +20,6 @@ from typing import Any
 import msgspec
 
 from streamrl.envs import _workplace_tasks as tasks
-from streamrl.envs._workplace_state import Email, Event, WorkplaceState
 from streamrl.envs.base import (
     Environment,
     Prompt,
@@ -39,6 +38,7 @@ from streamrl.schema import (
     Trajectory,
 )
 from streamrl.verifiers import workplace as checker
+from streamrl.verifiers.workplace_state import Email, Event, WorkplaceState
 
 
 def _tool(name: str, description: str, required: list[str], **props: Any) -> FunctionTool:

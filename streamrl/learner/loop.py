@@ -13,7 +13,7 @@ Training is deterministic given the checkpoint and that order (seeded, one fixed
 so a learner killed at any moment and restarted ends with bitwise the same weights.
 
 Faults. When the run's fault key is set (a rollout worker stuck on an old policy, see
-``streamrl.health``), the learner checkpoints what it has and stops with ``RunFaulted``: one
+``streamrl.bus.health``), the learner checkpoints what it has and stops with ``RunFaulted``: one
 line with the reason, exit status 1 from ``streamrl learn``.
 
 Shards. A sharded run (``[streams] shards``) has one ``groups`` stream per shard; the learner
@@ -49,7 +49,8 @@ import structlog
 import torch
 from click.core import ParameterSource
 
-from streamrl import health, schema
+from streamrl import schema
+from streamrl.bus import health
 from streamrl.bus.keys import Keys, shard_keys
 from streamrl.bus.streams import ensure_groups
 from streamrl.connection import check_url, connect, redact, resolve_url

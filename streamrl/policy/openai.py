@@ -86,6 +86,7 @@ from streamrl.bus.keys import Keys
 from streamrl.config import PolicyConfig
 from streamrl.defaults import DEFAULT_RUN, RELOAD_ERROR_LOG_EVERY_S
 from streamrl.envs.base import Environment
+from streamrl.http import httpx_api
 from streamrl.log import Repeats
 from streamrl.policy import _chat
 from streamrl.policy._versions import latest_version
@@ -108,24 +109,6 @@ class HTTPStatusPolicyError(PolicyError):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
-
-
-def _http() -> Any:
-    """The ``httpx`` API: ``httpx`` if installed, else ``httpx2`` (its maintained successor,
-    which ``huggingface_hub`` already pulls in; ``pip install streamrl[openai]``)."""
-    try:
-        import httpx
-
-        return httpx
-    except ImportError:
-        try:
-            import httpx2
-
-            return httpx2
-        except ImportError:
-            raise ImportError(
-                "the openai policy backend needs httpx or httpx2: pip install 'streamrl[openai]'"
-            ) from None
 
 
 def server_root(base_url: str) -> str:
@@ -169,7 +152,7 @@ class OpenAIPolicy(Policy):
         self.extra_body = dict(opts.get("extra_body", {}))
         self._lora_name = re.compile(rf"{re.escape(self.lora_prefix)}-v(\d+)")
 
-        http = _http()
+        http = httpx_api()
         api_key = opts.get("api_key") or os.environ.get("OPENAI_API_KEY")
         max_conn = int(opts.get("max_connections", 256))
         self._client = http.AsyncClient(

@@ -21,8 +21,8 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-from streamrl.envs.base import Verdict
 from streamrl.verifiers.answers import final_answers
+from streamrl.verifiers.verdict import Verdict
 
 VALID_CREDIT = 0.1
 MAX_CHARS = 200

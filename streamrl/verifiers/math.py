@@ -24,8 +24,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from streamrl.envs.base import Verdict
 from streamrl.verifiers.answers import final_answers
+from streamrl.verifiers.verdict import Verdict
 
 Monomial = tuple[tuple[str, int], ...]  # sorted (variable, power) pairs; () is the constant
 Poly = dict[Monomial, Fraction]

@@ -21,8 +21,8 @@ import re
 
 import msgspec
 
-from streamrl.envs._workplace_state import Email, Event, WorkplaceState
-from streamrl.envs.base import Verdict
+from streamrl.verifiers.verdict import Verdict
+from streamrl.verifiers.workplace_state import Email, Event, WorkplaceState
 
 
 class EmailSpec(msgspec.Struct, kw_only=True):

@@ -8,7 +8,7 @@ The worker keeps nothing between episodes: each episode's session is checkpointe
 after every turn, and an episode whose worker died is reclaimed by another worker after
 ``claim_idle_ms`` and resumed from its last committed turn.
 
-Policy health (``streamrl.health``): a lease starts by loading the newest announced policy
+Policy health (``streamrl.bus.health``): a lease starts by loading the newest announced policy
 version, and on every heartbeat asks the backend to look for a newer one and records the version
 it serves and its last reload error in the run's ``policy_health`` hash. A worker that stays
 more than ``max_staleness`` versions behind for longer than ``rollout.max_policy_lag_s`` stops
@@ -25,7 +25,8 @@ from typing import Any
 import msgspec
 import structlog
 
-from streamrl import health, schema
+from streamrl import schema
+from streamrl.bus import health
 from streamrl.bus.keys import Keys
 from streamrl.bus.streams import (
     Entry,

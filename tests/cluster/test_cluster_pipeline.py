@@ -6,8 +6,8 @@ import time
 
 from streamrl.config import RunConfig
 from streamrl.envs import make_env
-from streamrl.pipeline import LocalPipeline, task_ids
-from streamrl.producer import Producer
+from streamrl.local.pipeline import LocalPipeline, task_ids
+from streamrl.producer.produce import Producer
 
 
 def test_pipeline_on_cluster(cluster_urls, subprocess_env, tmp_path):

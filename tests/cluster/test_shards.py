@@ -11,11 +11,11 @@ import redis
 from streamrl.bus.keys import Keys, shard_keys
 from streamrl.config import RolloutConfig, RunConfig, StreamConfig, VerifyConfig
 from streamrl.envs import make_env
-from streamrl.pipeline import LocalPipeline, task_ids, xrange_all
-from streamrl.producer import Producer
+from streamrl.local.pipeline import LocalPipeline, task_ids, xrange_all
+from streamrl.ops.drift import drift_report
+from streamrl.ops.views import RewardFeed
+from streamrl.producer.produce import Producer
 from streamrl.schema import GROUP
-from streamrl.verifiers.drift import drift_report
-from streamrl.views import RewardFeed
 from tests.support.cli import run_cli
 
 # CRC16 puts the tags {nodes:0}, {nodes:1}, {nodes:2} in slots 13201, 9136 and 5075, one in

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from streamrl.audit import make_task, play
 from streamrl.envs import make_env
 from streamrl.envs.countdown import make_puzzle
+from streamrl.evaluation.audit import make_task, play
 from streamrl.verifiers.countdown import VALID_CREDIT, RuleError, evaluate, score
 
 NUMBERS = [25, 50, 75, 3]

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from streamrl.audit import make_task, play
 from streamrl.envs import make_env
 from streamrl.envs.math import KINDS, DatasetError, load_dataset
+from streamrl.evaluation.audit import make_task, play
 from streamrl.schema import Message
 from streamrl.verifiers.answers import final_answers
 from streamrl.verifiers.math import ParseError, equivalent, parse, score

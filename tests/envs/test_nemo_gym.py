@@ -12,7 +12,7 @@ import pytest
 from streamrl.envs import EnvUnavailable, make_env
 from streamrl.envs.base import OptionError
 from streamrl.envs.nemo_gym import merge_cookies, verdict_from_answer
-from streamrl.producer import row_to_prompt
+from streamrl.responses import row_to_prompt
 from streamrl.schema import FunctionCall, Task
 from tests.support.nemo_gym import counter_row, free_port
 

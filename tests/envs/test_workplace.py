@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from streamrl.audit import make_task, play
 from streamrl.envs import make_env
 from streamrl.envs._workplace_tasks import TEMPLATES
+from streamrl.evaluation.audit import make_task, play
 from streamrl.schema import FunctionCall, FunctionCallOutput, Message, Task
 
 ENV = make_env("workplace")

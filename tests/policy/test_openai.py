@@ -17,8 +17,8 @@ from streamrl.models.tiny import build_model, build_tokenizer
 from streamrl.policy import PolicyError, make_policy
 from streamrl.policy.base import PolicyRequest
 from streamrl.policy.openai import OpenAIPolicy
-from streamrl.policy.testing import OpenAITestServer
 from streamrl.schema import FunctionCall, FunctionTool, Message, PolicyVersion, encode
+from tests.support.openai_server import OpenAITestServer
 
 TOOLS = [FunctionTool(name="add", parameters={"type": "object", "properties": {}})]
 

@@ -21,8 +21,8 @@ from streamrl.models.tiny import build_model, build_tokenizer
 from streamrl.policy import make_policy
 from streamrl.policy.hf import HFPolicy
 from streamrl.policy.openai import OpenAIPolicy
-from streamrl.policy.testing import OpenAITestServer
 from streamrl.schema import PolicyVersion, encode
+from tests.support.openai_server import OpenAITestServer
 
 # Runs in a fresh interpreter where `import peft` fails, as it does where peft is not installed
 # (None in sys.modules also makes importlib.util.find_spec, and so transformers, see no peft).

@@ -1,4 +1,4 @@
-"""Run by tests/test_prefork.py as `python -m tests.support.prefork_child`: reports what a
+"""Run by tests/local/test_prefork.py as `python -m tests.support.prefork_child`: reports what a
 forked role sees (its argv, an env var, whether torch came preloaded), then exits or waits."""
 
 import os

@@ -11,8 +11,8 @@ import msgspec
 from streamrl import schema
 from streamrl.config import PolicyConfig, RunConfig, StreamConfig, VerifyConfig
 from streamrl.envs import make_env
-from streamrl.pipeline import LocalPipeline, task_ids, xrange_all
-from streamrl.producer import Producer
+from streamrl.local.pipeline import LocalPipeline, task_ids, xrange_all
+from streamrl.producer.produce import Producer
 from streamrl.schema import FunctionCallOutput
 from tests.support.waiting import wait_for
 

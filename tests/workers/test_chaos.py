@@ -7,8 +7,8 @@ import time
 
 from streamrl.config import PolicyConfig, RolloutConfig, RunConfig, StreamConfig, VerifyConfig
 from streamrl.envs import make_env
-from streamrl.pipeline import LocalPipeline, task_ids
-from streamrl.producer import Producer
+from streamrl.local.pipeline import LocalPipeline, task_ids
+from streamrl.producer.produce import Producer
 
 FAST_RECLAIM = StreamConfig(claim_idle_ms=1500, heartbeat_s=0.3, max_deliveries=5)
 

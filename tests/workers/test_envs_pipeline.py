@@ -10,8 +10,8 @@ from streamrl import schema
 from streamrl.config import PolicyConfig, RunConfig
 from streamrl.envs import make_env
 from streamrl.envs.registry import BUILTIN
-from streamrl.pipeline import LocalPipeline, task_ids, xrange_all
-from streamrl.producer import Producer
+from streamrl.local.pipeline import LocalPipeline, task_ids, xrange_all
+from streamrl.producer.produce import Producer
 
 PROMPTS = {"code": 2}  # each code sample runs its tests in the sandbox: keep it short
 

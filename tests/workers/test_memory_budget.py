@@ -11,10 +11,10 @@ import time
 from streamrl.bus.keys import Keys
 from streamrl.config import PolicyConfig, RunConfig
 from streamrl.defaults import ROLLOUT_GROUP, VERIFY_GROUP
-from streamrl.embedded import EmbeddedRedis
 from streamrl.envs import make_env
-from streamrl.pipeline import LocalPipeline
-from streamrl.producer import MEMORY_BUDGET, LearnerAdmission, Producer
+from streamrl.local.embedded import EmbeddedRedis
+from streamrl.local.pipeline import LocalPipeline
+from streamrl.producer.produce import MEMORY_BUDGET, LearnerAdmission, Producer
 from tests.support.waiting import wait_for
 
 MiB = 2**20

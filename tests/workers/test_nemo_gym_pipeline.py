@@ -16,8 +16,8 @@ import pytest
 from streamrl import schema
 from streamrl.config import PolicyConfig, RolloutConfig, RunConfig, StreamConfig, VerifyConfig
 from streamrl.defaults import ROLLOUT_QUEUE, VERIFY_QUEUE
-from streamrl.pipeline import LocalPipeline, xrange_all
-from streamrl.producer import Producer
+from streamrl.local.pipeline import LocalPipeline, xrange_all
+from streamrl.producer.produce import Producer
 from streamrl.schema import FunctionCallOutput
 from streamrl.workers import leases
 from tests.support.cli import run_cli

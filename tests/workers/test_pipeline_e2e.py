@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from streamrl.config import PolicyConfig, RunConfig
 from streamrl.envs import make_env
-from streamrl.pipeline import LocalPipeline, task_ids
-from streamrl.producer import Producer
+from streamrl.local.pipeline import LocalPipeline, task_ids
+from streamrl.producer.produce import Producer
 
 
 def test_64_prompts_give_64_groups_of_4(redis_url, subprocess_env, tmp_path):

@@ -13,17 +13,17 @@ from collections import Counter
 import pytest
 from safetensors.torch import save_file
 
-from streamrl import health
+from streamrl.bus import health
 from streamrl.config import PolicyConfig, RolloutConfig, RunConfig, StreamConfig
 from streamrl.defaults import ROLLOUT_GROUP, ROLLOUT_QUEUE
 from streamrl.envs import make_env
 from streamrl.learner.config import LearnerConfig
 from streamrl.learner.loop import run_learner
+from streamrl.local.pipeline import LocalPipeline, task_ids, xrange_all
 from streamrl.models.tiny import build_model, save_tiny
-from streamrl.pipeline import LocalPipeline, task_ids, xrange_all
-from streamrl.producer import Producer
+from streamrl.ops.status import collect
+from streamrl.producer.produce import Producer
 from streamrl.schema import SCORE, TRAJECTORY, PolicyVersion, encode
-from streamrl.status import collect
 from streamrl.workers import leases
 
 # Fast heartbeats, so the guard (checked on each heartbeat) trips soon after its time is up.
@@ -134,7 +134,7 @@ def test_a_worker_that_cannot_load_the_policy_faults_the_run(
 
     # the lease failed with the reason as the last line of its rq job
     reason = f"worker {worker} serves policy version 0, 2 behind newest 2 (max_staleness 1) for "
-    assert failed["last_failure"].startswith(f"streamrl.health.PolicyStale: {reason}")
+    assert failed["last_failure"].startswith(f"streamrl.bus.health.PolicyStale: {reason}")
     assert "; last reload error: SafetensorError: " in failed["last_failure"]
     assert fault.startswith(f"PolicyStale: {reason}")
     assert "; last reload error: SafetensorError: " in fault
@@ -239,7 +239,7 @@ def test_a_stale_worker_leaves_what_it_holds_pending(redis_url, worker_env, tmp_
     reason = f"worker {worker} serves policy version 0, 5 behind newest 5 (max_staleness 1) for "
     assert fault.startswith(f"PolicyStale: {reason}")
     assert fault.endswith("; last reload error: none")
-    assert failed["last_failure"].startswith(f"streamrl.health.PolicyStale: {reason}")
+    assert failed["last_failure"].startswith(f"streamrl.bus.health.PolicyStale: {reason}")
     assert (shown["version"], shown["newest"], shown["error"]) == (0, 5, None)
     # the 4 tasks it read (read_batch) are still its pending entries, delivered once
     assert len(pending) == 4 and tasks["lag"] == 4

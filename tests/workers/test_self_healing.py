@@ -14,14 +14,14 @@ import redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from streamrl.chaos import ChaosConfig, chaos_bench, clean
+from streamrl.benchmarks.chaos import ChaosConfig, chaos_bench, clean
 from streamrl.config import PolicyConfig, RolloutConfig, RunConfig, StreamConfig, VerifyConfig
 from streamrl.defaults import ROLLOUT_QUEUE, VERIFY_QUEUE
-from streamrl.embedded import EmbeddedRedis
 from streamrl.envs import make_env
-from streamrl.pipeline import LocalPipeline, task_ids
-from streamrl.producer import Producer
-from streamrl.status import collect
+from streamrl.local.embedded import EmbeddedRedis
+from streamrl.local.pipeline import LocalPipeline, task_ids
+from streamrl.ops.status import collect
+from streamrl.producer.produce import Producer
 
 FAST = StreamConfig(claim_idle_ms=1500, heartbeat_s=0.3, max_deliveries=30)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from streamrl.config import PolicyConfig, RolloutConfig, RunConfig, StreamConfig
 from streamrl.defaults import ROLLOUT_GROUP
 from streamrl.envs import make_env
-from streamrl.pipeline import LocalPipeline, task_ids
-from streamrl.producer import Producer
+from streamrl.local.pipeline import LocalPipeline, task_ids
+from streamrl.producer.produce import Producer
 from tests.support.waiting import wait_for
 
 TTL_S = 2

@@ -1,0 +1,198 @@
+"""``streamrl bench sessions``: hold many multi-turn episodes open at once and measure what
+each costs. Real rq rollout and verifier workers on a private Redis, the ``counter``
+environment and the scripted policy with a per-turn latency, so that episodes overlap: with
+``turns`` model turns an episode's session exists from its first committed turn to its last,
+about ``(turns - 1) × latency`` seconds, while the workers start every episode in far less.
+
+Figures (one JSON object):
+
+- ``open_sessions_peak``: session keys in Redis at the fullest moment (episodes with a committed
+  turn and no trajectory yet), sampled every ``sample_s``.
+- ``redis_bytes_per_open_session``: ``used_memory`` at that moment minus ``used_memory`` just
+  after the tasks were pushed (before any session existed), per open session: the session key,
+  its TTL and the pending-entry record of the consumer group.
+- ``session_key_bytes``: ``MEMORY USAGE`` of the session keys themselves (mean of a sample).
+- ``worker_rss_bytes_per_episode``: growth of the rollout workers' resident memory (rq main
+  and work horse) from idle to that moment, per open session.
+- ``trajectories_per_s``: over the whole run, push to last group (bound by the latency).
+- ``redis_commands_per_trajectory``, ``cpu_ms_per_trajectory``: every command Redis served
+  and the CPU of every process (workers, Redis, this one, sampling included) over the run.
+- ``lost`` / ``duplicated`` / ``dead_letters`` / ``worker_errors``: all must be 0.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+
+from streamrl.config import (
+    PolicyConfig,
+    RolloutConfig,
+    RunConfig,
+    StreamConfig,
+    VerifyConfig,
+)
+from streamrl.envs import make_env
+from streamrl.local.pipeline import LocalPipeline, task_ids
+from streamrl.local.procs import descendants, self_cpu, tree_cpu
+from streamrl.producer.produce import Producer
+
+
+def rss_bytes(pids: list[int]) -> int:
+    """Resident memory of these processes (those still alive)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+        except FileNotFoundError:
+            pass
+    return total
+
+
+def count_keys(r: redis.Redis, pattern: str) -> int:
+    return sum(1 for _ in r.scan_iter(match=pattern, count=5000))
+
+
+def _worker_errors(log_dir: Path) -> int:
+    n = 0
+    for path in log_dir.glob("*.log"):
+        text = path.read_text(errors="replace")
+        n += text.count("Traceback") + text.count('"level": "error"') + text.count("[error")
+    return n
+
+
+class Sampler(threading.Thread):
+    """Polls open sessions, Redis memory and worker RSS; keeps the fullest moment."""
+
+    def __init__(self, url: str, pattern: str, roots: list[int], every: float):
+        super().__init__(daemon=True)
+        self.r = redis.Redis.from_url(url)
+        self.pattern, self.roots, self.every = pattern, roots, every
+        self.stop = threading.Event()
+        self.peak: dict = {"open": -1}
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            n = count_keys(self.r, self.pattern)
+            if n >= self.peak["open"]:  # the latest of the fullest moments: the longest sessions
+                pids = self.roots + [c for p in self.roots for c in descendants(p)]
+                self.peak = {
+                    "open": n,
+                    "used_memory": self.r.info("memory")["used_memory"],
+                    "rss": rss_bytes(pids),
+                    "keys": list(itertools.islice(self.r.scan_iter(match=self.pattern), 200)),
+                }
+                self.peak["key_bytes"] = [
+                    self.r.memory_usage(k, samples=0) or 0 for k in self.peak["keys"]
+                ]
+            self.stop.wait(self.every)
+        self.r.close()
+
+
+def sessions_bench(
+    sessions: int = 10_000,
+    turns: int = 4,
+    latency_s: float = 5.0,
+    group_size: int = 4,
+    rollout_workers: int = 1,
+    verify_workers: int = 1,
+    sample_s: float = 0.25,
+    timeout_s: float = 600.0,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    say = progress or (lambda m: None)
+    prompts = -(-sessions // group_size)
+    n = prompts * group_size
+    per_worker = -(-n // rollout_workers)
+    cfg = RunConfig(
+        run="sessions",
+        env="counter",
+        group_size=group_size,
+        env_options={"steps": turns - 1},
+        policy=PolicyConfig(backend="scripted", wrong_rate=0.25, latency_s=latency_s),
+        rollout=RolloutConfig(
+            max_turns=turns + 1,
+            max_concurrent=per_worker,
+            read_batch=min(per_worker, 2000),
+            lease_seconds=timeout_s,
+        ),
+        verify=VerifyConfig(lease_seconds=timeout_s),
+        # heartbeats keep every held entry fresh: nothing is reclaimed while it waits
+        streams=StreamConfig(claim_idle_ms=int(1000 * max(60.0, 4 * latency_s))),
+    )
+    env = make_env("counter", steps=turns - 1)
+    with LocalPipeline(cfg) as p:
+        p.start_workers(rollout_workers, verify_workers, seconds=timeout_s)
+        say(f"waiting for {rollout_workers} rollout + {verify_workers} verifier workers")
+        p.wait_ready(rollout_workers, verify_workers)
+        assert p.procs is not None and p.url is not None
+        roots = [proc.pid for _, proc in p.procs.procs[:rollout_workers]]
+        time.sleep(1.0)  # the lease settles into its read loop
+        rss_idle = rss_bytes(roots + [c for pid in roots for c in descendants(pid)])
+        pattern = p.keys.session("*")
+        assert p.server is not None and p.server.proc is not None
+        every = [p.server.proc.pid] + [proc.pid for _, proc in p.procs.procs]
+        p.r.config_resetstat()
+        cpu0 = tree_cpu(every) + self_cpu()
+        redis0 = tree_cpu(every[:1])
+        t0 = time.perf_counter()
+        Producer(p.r, cfg.run).from_env(env, prompts, group_size, seed=0)
+        used_tasks = p.r.info("memory")["used_memory"]
+        early = count_keys(p.r, pattern)
+        push_s = time.perf_counter() - t0
+        say(f"pushed {n} tasks in {push_s:.1f} s ({early} sessions already open)")
+        sampler = Sampler(p.url, pattern, roots, sample_s)
+        sampler.start()
+        p.wait_groups(prompts, timeout=timeout_s)
+        elapsed = time.perf_counter() - t0
+        cpu = tree_cpu(every) + self_cpu() - cpu0
+        redis_cpu = tree_cpu(every[:1]) - redis0
+        sampler.stop.set()
+        sampler.join()
+        peak = sampler.peak
+        say(f"peak {peak['open']} open sessions; {prompts} groups in {elapsed:.1f} s")
+        left = count_keys(p.r, pattern)
+        dead = p.r.xlen(p.keys.dead)
+        stats = p.r.info("commandstats")
+        p.stop()
+        acc = p.account(task_ids("counter", 0, prompts, group_size))
+        errors = _worker_errors(p.dir / "logs")
+    key_bytes = peak["key_bytes"] or [0]
+    opened = max(1, peak["open"])
+    calls = sum(v["calls"] for v in stats.values())
+    return {
+        "sessions": n,
+        "turns": turns,
+        "latency_s": latency_s,
+        "rollout_workers": rollout_workers,
+        "open_sessions_peak": peak["open"],
+        "redis_bytes_per_open_session": round((peak["used_memory"] - used_tasks) / opened),
+        "session_key_bytes": round(sum(key_bytes) / len(key_bytes)),
+        "session_key_bytes_max": max(key_bytes),
+        "worker_rss_bytes_per_episode": round((peak["rss"] - rss_idle) / opened),
+        "worker_rss_idle_mb": round(rss_idle / 2**20, 1),
+        "worker_rss_peak_mb": round(peak["rss"] / 2**20, 1),
+        "sessions_open_before_push_done": early,
+        "sessions_left": left,
+        "seconds": round(elapsed, 2),
+        "trajectories_per_s": round(n / elapsed, 1),
+        "redis_commands_per_trajectory": round(calls / n, 2),
+        "cpu_ms_per_trajectory": round(1000 * cpu / n, 3),
+        "redis_cpu_ms_per_trajectory": round(1000 * redis_cpu / n, 3),
+        "trajectories": acc.scored,
+        "groups": acc.groups,
+        "lost": acc.lost,
+        "duplicated": acc.duplicated,
+        "dead_letters": dead,
+        "worker_errors": errors,
+        "cpus": os.cpu_count(),
+    }

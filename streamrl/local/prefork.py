@@ -1,0 +1,200 @@
+"""A fork server for ``streamrl demo``'s roles: torch and transformers imported once.
+
+Each of the demo's torch processes (two rollout workers, the learner, the model builder) used
+to import torch and transformers on its own: about 7.5 s of CPU each, four of them at once on
+a two-core machine, so the learner's first step came about 20 s after launch. Forked from one
+process that has paid those imports, each role starts in a fraction of a second.
+
+The children run the very programs a user starts by hand (``rq worker ...``,
+``streamrl learn ...``): the same argv, run by ``runpy`` as ``python -m`` would. Only the
+import cost is shared. The server is the standard library's ``forkserver``: it forks from a
+single-threaded process, so the children are as safe as rq's own work horses, which are forked
+from a worker that has imported torch too. ``STREAMRL_PREFORK=0`` turns it off (each role
+then starts as its own ``python -m`` process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import runpy
+import shlex
+import signal
+import subprocess
+import sys
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from setproctitle import setproctitle, setthreadtitle
+
+# What the roles import before their first useful line; a module missing here is simply
+# imported by the child (the server skips what fails to import).
+PRELOAD = [
+    "streamrl.local.prefork_server",  # names the server in `ps`
+    "torch",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.generation",
+    "rq.cli",
+    "streamrl.cli",
+    "streamrl.models.tiny",
+    "streamrl.policy.hf",
+    "streamrl.workers.rollout",
+    "streamrl.learner.loop",
+]
+
+
+def enabled() -> bool:
+    return os.environ.get("STREAMRL_PREFORK", "1") != "0"
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class Forked:
+    """``subprocess.Popen``'s surface (pid, poll, wait, send_signal, kill) for a process forked
+    by the server, so the demo and ``procs`` handle both kinds alike."""
+
+    def __init__(self, proc: Any, args: list[str]):
+        self._proc = proc
+        self.args = args
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return self._proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._proc.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _child(argv: list[str], env: dict[str, str], log: str | None, new_session: bool) -> None:
+    """In the forked child: become ``python -m <module> <args>`` with ``env``, writing to
+    ``log``."""
+    if new_session:
+        os.setsid()
+    fd = os.open(log or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    # `ps` shows the role, not the fork server's command line. (Before the environment is
+    # replaced: setproctitle finds the end of the argv area from the original environ.)
+    setproctitle(shlex.join(argv))
+    setthreadtitle(os.path.basename(argv[0])[:15])  # `comm` (top's name) as a spawned one has it
+    os.environ.clear()
+    os.environ.update(env)
+    _as_if_spawned()
+    module = argv[2]
+    sys.argv = [module, *argv[3:]]
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` has it
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+@contextlib.contextmanager
+def _without_main() -> Iterator[None]:
+    """Start children without the caller's ``__main__``: multiprocessing would re-import it
+    in each child (as ``__mp_main__``), and a script that calls the demo without an
+    ``if __name__ == "__main__"`` guard would run again there. The children run
+    ``streamrl.local.prefork`` functions and need nothing from it."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+def _as_if_spawned() -> None:
+    """Undo what the fork server's child inherits but a ``python -m`` process would not have:
+    forkserver as the default start method. (With it, tqdm's lock in transformers became a
+    named semaphore, and every role killed at the end left one behind, with a warning.)"""
+    multiprocessing.set_start_method(None, force=True)
+
+
+def _call(fn: Callable[..., Any], args: tuple) -> None:
+    _as_if_spawned()
+    fn(*args)
+
+
+class Prefork:
+    """Start ``python -m`` commands as children of one fork server that has imported
+    ``PRELOAD``. ``env`` is the server's environment (thread counts must be set before torch
+    is imported); each child gets its own."""
+
+    def __init__(self, env: dict[str, str] | None = None):
+        self._ctx = multiprocessing.get_context("forkserver")
+        self._ctx.set_forkserver_preload(PRELOAD)
+        with _environ(env or {}):
+            multiprocessing.forkserver.ensure_running()  # returns at once; imports go on
+
+    @property
+    def server_pid(self) -> int | None:
+        return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+
+    def popen(
+        self,
+        argv: list[str],
+        log: str | Path | None = None,
+        env: dict[str, str] | None = None,
+        new_session: bool = False,
+    ) -> Forked:
+        """Like ``subprocess.Popen(argv, stdout=log, stderr=STDOUT, env=env)`` for an argv of
+        the form ``[python, "-m", module, *args]``; blocks until the server has forked (the
+        first call waits for its imports)."""
+        if argv[1:2] != ["-m"]:
+            raise ValueError(f"prefork runs `python -m module ...` commands, not {argv[:3]}")
+        env = dict(os.environ if env is None else env)
+        proc = self._ctx.Process(
+            target=_child, args=(argv, env, str(log) if log else None, new_session), daemon=False
+        )
+        with _without_main():
+            proc.start()
+        return Forked(proc, argv)
+
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> None:
+        """Run ``fn(*args)`` in a forked child (one that needs the preloaded imports) and
+        wait for it."""
+        proc = self._ctx.Process(target=_call, args=(fn, args))
+        with _without_main():
+            proc.start()
+        proc.join(timeout)
+        if proc.exitcode != 0:
+            if proc.exitcode is None:
+                proc.kill()
+            raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed in the fork server")

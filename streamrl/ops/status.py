@@ -1,0 +1,129 @@
+"""What ``streamrl status`` shows: per stage the stream length, consumer-group lag and pending
+count, dead letters, rq workers per queue, groups completed, the policy version, the
+learner's progress, and per rollout worker the policy version it serves (``health``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+
+from streamrl import schema
+from streamrl.bus.health import policy_health
+from streamrl.bus.keys import Keys
+from streamrl.bus.shards import run_shards
+from streamrl.bus.streams import stage_groups
+from streamrl.defaults import ROLLOUT_QUEUE, VERIFY_QUEUE
+
+
+def _s(v: Any) -> Any:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _num(v: Any) -> Any:
+    v = _s(v)
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            return v
+
+
+def stream_info(r: redis.Redis, stream: str) -> dict[str, Any]:
+    info: dict[str, Any] = {"length": r.xlen(stream), "groups": {}}
+    try:
+        groups = r.xinfo_groups(stream)
+    except redis.ResponseError:
+        groups = []
+    for g in groups:
+        info["groups"][_s(g["name"])] = {
+            "lag": g.get("lag"),
+            "pending": g.get("pending"),
+            "consumers": g.get("consumers"),
+            "last_delivered": _s(g.get("last-delivered-id")),
+        }
+    return info
+
+
+def producer_state(r: redis.Redis, keys: Keys) -> dict[str, Any]:
+    """The producer's gate (producer.LearnerAdmission): ``state`` running, waiting or done;
+    while waiting, ``reason``, ``message`` and ``since``; its figures. Empty: no producer."""
+    out = {_s(k): _num(v) for k, v in r.hgetall(keys.producer_state).items()}
+    if out.get("state") == "waiting" and isinstance(out.get("since"), float | int):
+        out["waiting_s"] = round(max(0.0, time.time() - out["since"]), 1)
+    return out
+
+
+_COUNTERS = ("groups_completed", "groups_dropped", "trajectories", "duplicates_ignored")
+
+
+def shard_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
+    """Streams and counters of one shard (of the whole run when unsharded)."""
+    stats = {_s(k): _num(v) for k, v in r.hgetall(keys.stats).items()}
+    stages = {}
+    for stream, _group in stage_groups(keys):
+        stages[stream.rsplit(":", 1)[1]] = stream_info(r, stream)
+    return {
+        "stages": stages,
+        "scored": r.xlen(keys.scored),
+        "dead_letters": r.xlen(keys.dead),
+        **{name: stats.get(name, 0) for name in _COUNTERS},
+    }
+
+
+def _sum_or_none(values: list[Any]) -> Any:
+    return None if any(v is None for v in values) else sum(values)
+
+
+def total(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The shards of a run added up: lengths, lag, pending and counters are summed; a lag
+    that Redis cannot tell on one shard (None) is unknown in total; consumers are the most
+    any shard has (the same worker consumes every shard)."""
+    out: dict[str, Any] = {"stages": {}}
+    for stage in parts[0]["stages"]:
+        rows = [p["stages"][stage] for p in parts]
+        groups: dict[str, Any] = {}
+        for name in {g for row in rows for g in row["groups"]}:
+            gs = [row["groups"].get(name, {}) for row in rows]
+            groups[name] = {
+                "lag": _sum_or_none([g.get("lag") for g in gs]),
+                "pending": sum(g.get("pending") or 0 for g in gs),
+                "consumers": max(g.get("consumers") or 0 for g in gs),
+                "last_delivered": None,  # an entry id means nothing across shards
+            }
+        out["stages"][stage] = {"length": sum(row["length"] for row in rows), "groups": groups}
+    for name in ("scored", "dead_letters", *_COUNTERS):
+        out[name] = sum(p[name] for p in parts)
+    return out
+
+
+def collect(r: redis.Redis, run: str, control: redis.Redis | None = None) -> dict[str, Any]:
+    """``r``: the run's data Redis; ``control``: rq's, when that is another server. A sharded
+    run shows its totals in the usual fields and each shard under ``shards``."""
+    from streamrl.workers import leases
+
+    keys = Keys(run)
+    shards = run_shards(r, run)
+    parts = [shard_status(r, k) for k in shards]
+    learner = {_s(k): _num(v) for k, v in r.hgetall(keys.learner).items()}
+    policy_version = None
+    last = r.xrevrange(keys.policy, count=1)
+    if last:
+        policy_version = schema.POLICY_VERSION.decode(last[0][1][b"p"]).version
+    rq_redis = r if control is None else control
+    workers = {q: leases.queue_health(rq_redis, q) for q in (ROLLOUT_QUEUE, VERIFY_QUEUE)}
+    info = {
+        "run": run,
+        **(parts[0] if len(parts) == 1 else total(parts)),
+        "policy_version": policy_version,
+        "rq": workers,
+        "learner": learner,
+        "producer": producer_state(r, keys),
+        "policy_health": policy_health(r, keys),
+    }
+    if len(parts) > 1:
+        info["shards"] = {k.label: part for k, part in zip(shards, parts, strict=True)}
+    return info

@@ -1,0 +1,168 @@
+"""Terminal views (rich): the status table and the live reward feed."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+import redis
+from rich.console import Group as RichGroup
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from streamrl import schema
+from streamrl.bus.shards import run_shards
+
+
+def status_table(info: dict[str, Any]) -> Table:
+    t = Table(title=f"streamrl run {info['run']!r}")
+    for col in ("stage", "stream length", "group", "lag", "pending", "consumers"):
+        t.add_column(col)
+    rows = [(stage, s) for stage, s in info["stages"].items()]
+    for label, part in (info.get("shards") or {}).items():  # a sharded run: totals, then each
+        rows += [(f"{stage} (shard {label})", s) for stage, s in part["stages"].items()]
+    for stage, s in rows:
+        for gname, g in s["groups"].items() or {"-": {}}.items():
+            t.add_row(
+                stage,
+                str(s["length"]),
+                gname,
+                str(g.get("lag")),
+                str(g.get("pending")),
+                str(g.get("consumers")),
+            )
+    foot = Table.grid(padding=(0, 2))
+    foot.add_row("trajectories", str(info["trajectories"]), "scored", str(info["scored"]))
+    foot.add_row(
+        "groups completed",
+        str(info["groups_completed"]),
+        "groups dropped",
+        str(info["groups_dropped"]),
+    )
+    foot.add_row("dead letters", str(info["dead_letters"]), "policy", str(info["policy_version"]))
+    for q, w in info["rq"].items():
+        dead = w.get("registered", w["workers"]) - w["workers"]
+        live = f"{w['workers']} live ({w['busy']} busy)" + (f", {dead} dead" if dead else "")
+        foot.add_row(q, live, "queued leases", str(w["queued_leases"]))
+        if w.get("failed_leases"):
+            last = str(w.get("last_failure") or "")
+            foot.add_row("", f"{w['failed_leases']} failed leases", "last", last[:160])
+    if info.get("learner"):
+        ln = info["learner"]
+        foot.add_row(
+            "learner step", str(ln.get("step")), "groups applied", str(ln.get("groups_applied"))
+        )
+        drops = [
+            f"{reason.replace('_', ' ')} {100 * float(ln[key]):.0f}%"
+            for reason in ("zero_variance", "stale", "no_tokens", "invalid")
+            if float(ln.get(key := f"dropped_fraction_{reason}", 0) or 0) > 0
+        ]
+        foot.add_row(
+            "policy entropy",
+            str(ln.get("entropy", "-")),
+            "learner dropped",
+            ", ".join(drops) or "none",
+        )
+    pr = info.get("producer") or {}
+    if pr.get("state") == "waiting":
+        foot.add_row("producer", f"waiting {pr.get('waiting_s', 0)} s", "", str(pr.get("message")))
+    elif pr:
+        foot.add_row("producer", str(pr.get("state")), "in flight", str(pr.get("in_flight")))
+    parts: list[Any] = [t, foot]
+    health = info.get("policy_health") or {}
+    if health.get("fault"):
+        parts.append(Text(f"FAULT: {health['fault']}", style="bold red"))
+    if health.get("workers"):
+        parts.append(policy_health_table(health["workers"]))
+    return RichGroup(*parts)  # type: ignore[return-value]
+
+
+def policy_health_table(workers: dict[str, dict[str, Any]]) -> Table:
+    """Per rollout worker: the policy version it serves, how far behind the newest announced
+    one, for how long beyond ``max_staleness``, and why its last reload failed."""
+    t = Table(title="policy by rollout worker")
+    for col in ("worker", "version", "newest", "lag", "behind for", "last reload error"):
+        t.add_column(col)
+    for name, w in workers.items():
+        behind = w.get("behind_s")
+        t.add_row(
+            name,
+            str(w.get("version")),
+            str(w.get("newest")),
+            str(w.get("lag")),
+            "-" if behind is None else f"{behind:.0f} s",
+            w.get("error") or "-",
+            style="red" if behind is not None or w.get("error") else None,
+        )
+    return t
+
+
+class RewardFeed:
+    """Reads the ``scored`` stream (every shard's, for a sharded run) from where it was, and
+    keeps per-policy-version means."""
+
+    def __init__(self, r: redis.Redis, run: str, start: str = "$"):
+        self.r = r
+        self.keys = [k.scored for k in run_shards(r, run)]
+        self.last = {
+            key: start if start != "$" else (self._last_id(key) or "0-0") for key in self.keys
+        }
+        self.by_version: dict[int, list[float]] = {}
+        self.failures = 0
+        self.recent: deque[tuple[float, float]] = deque(maxlen=4096)  # (time, reward)
+
+    def _last_id(self, key: str) -> str | None:
+        row = self.r.xrevrange(key, count=1)
+        return row[0][0].decode() if row else None
+
+    def poll(self) -> list[float]:
+        """Read what was scored since the last poll; returns the new rewards in order (of
+        each shard in turn)."""
+        new: list[float] = []
+        for key in self.keys:
+            self._poll(key, new)
+        return new
+
+    def _poll(self, key: str, new: list[float]) -> None:
+        while True:
+            rows = self.r.xrange(key, min=f"({self.last[key]}", count=2000)
+            if not rows:
+                return
+            for eid, fields in rows:
+                self.last[key] = eid.decode()
+                score = schema.SCORE.decode(fields[b"p"])
+                if score.reward is None:
+                    self.failures += 1
+                    continue
+                new.append(score.reward)
+                v = max(score.policy_versions) if score.policy_versions else 0
+                self.by_version.setdefault(v, []).append(score.reward)
+                self.recent.append((time.time(), score.reward))
+
+    def table(self, last: int = 8) -> Table:
+        t = Table(title="reward by policy version")
+        t.add_column("version")
+        t.add_column("samples")
+        t.add_column("mean reward")
+        for v in sorted(self.by_version)[-last:]:
+            rs = self.by_version[v]
+            t.add_row(str(v), str(len(rs)), f"{sum(rs) / len(rs):.3f}")
+        return t
+
+
+def watch_live(
+    r: redis.Redis, run: str, interval: float = 1.0, control: redis.Redis | None = None
+) -> None:
+    from streamrl.ops.status import collect
+
+    feed = RewardFeed(r, run, start="0-0")
+    try:
+        with Live(refresh_per_second=4) as live:
+            while True:
+                feed.poll()
+                live.update(RichGroup(feed.table(), status_table(collect(r, run, control))))
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,109 @@
+"""The demo's fork server: a forked role runs the same `python -m` program as a spawned one,
+with its own argv, env and log, and behaves like a Popen to whoever stops it."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from streamrl.local.prefork import Forked, Prefork
+from streamrl.local.procs import descendants
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def forks():
+    return Prefork()
+
+
+def _argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tests.support.prefork_child", *args]
+
+
+def test_child_runs_the_module_with_its_argv_env_and_log(forks, tmp_path):
+    log = tmp_path / "child.log"
+    p = forks.popen(_argv("exit", "3"), log, env={"PREFORK_TEST": "yes"})
+    assert isinstance(p, Forked)
+    assert p.wait(timeout=60) == 3 and p.returncode == 3
+    text = log.read_text()
+    assert "argv=['exit', '3'] env=yes torch=True" in text, text  # torch came from the server
+    assert "session_leader=False" in text
+
+
+def test_new_session_and_signals_reach_the_child(forks, tmp_path):
+    log = tmp_path / "child.log"
+    p = forks.popen(_argv("wait"), log, env={}, new_session=True)
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.wait(timeout=0.5)
+    assert p.poll() is None
+    p.send_signal(signal.SIGKILL)
+    assert p.wait(timeout=30) == -signal.SIGKILL
+    assert "session_leader=True" in log.read_text()
+    assert p.pid not in descendants(forks.server_pid or 0)
+
+
+def test_ps_shows_the_role_not_the_fork_server(forks, tmp_path):
+    log = tmp_path / "child.log"
+    p = forks.popen(_argv("wait"), log, env={})
+    try:
+        deadline = time.monotonic() + 60
+        while "argv=" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline and p.poll() is None, "the child did not start"
+            time.sleep(0.05)
+        cmdline = Path(f"/proc/{p.pid}/cmdline").read_bytes().replace(b"\0", b" ").strip()
+        assert cmdline.decode() == shlex.join(_argv("wait"))
+        comm = Path(f"/proc/{p.pid}/comm").read_text().strip()
+        assert comm == Path(sys.executable).name[:15]
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+
+
+def test_ps_names_the_fork_server_and_its_owner(forks):
+    deadline = time.monotonic() + 60
+    while True:
+        pid = forks.server_pid
+        title = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").decode() if pid else ""
+        if title.startswith("streamrl prefork server"):
+            break
+        assert time.monotonic() < deadline, f"the server's command line is {title[:80]!r}"
+        time.sleep(0.05)
+    assert title == f"streamrl prefork server (for pid {os.getpid()})"
+
+
+def test_only_python_dash_m_commands(forks):
+    with pytest.raises(ValueError, match="python -m"):
+        forks.popen([sys.executable, "script.py"])
+
+
+def test_call_reports_a_failure(forks):
+    with pytest.raises(RuntimeError, match="_exit failed in the fork server"):
+        forks.call(os._exit, 2)
+
+
+def test_a_script_without_a_main_guard_is_not_run_again(tmp_path, subprocess_env):
+    """multiprocessing re-imports the caller's __main__ in each child; a script calling the
+    demo with no `if __name__ == "__main__"` would have run again, recursively."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import sys\n"
+        "from streamrl.local.prefork import Prefork\n"
+        "print('script ran', flush=True)\n"
+        "p = Prefork().popen([sys.executable, '-m', 'tests.support.prefork_child', 'exit', '5'],"
+        f" {str(tmp_path / 'child.log')!r})\n"
+        "print('child exit', p.wait(timeout=60), flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+        env=subprocess_env, cwd=ROOT,
+    )  # fmt: skip
+    assert done.stdout.splitlines() == ["script ran", "child exit 5"], done.stderr[-2000:]
+    assert "argv=['exit', '5']" in (tmp_path / "child.log").read_text()

@@ -1,0 +1,320 @@
+"""Admission control that cannot be fooled: stale and zero-variance drops settle only as fast as
+training pays for them, Redis memory has a budget, and a healthy run never deadlocks.
+
+The learner is simulated by writing its progress hash the way ``streamrl.learner.loop``
+reports it (``samples_consumed``, ``groups_applied``, ``waiting_groups``, ``dropped_*``,
+``max_in_flight``); the producer, the gate and Redis are real."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+import pytest
+
+from streamrl.bus.keys import Keys
+from streamrl.config import RunConfig, load_toml
+from streamrl.envs import make_env
+from streamrl.ops.status import collect
+from streamrl.producer.produce import (
+    DROP_BUDGET,
+    MEMORY_BUDGET,
+    NO_LEARNER,
+    WINDOW_FULL,
+    Hold,
+    LearnerAdmission,
+    Producer,
+)
+
+G = 4  # group size
+WAIT_S = 60.0  # generous deadline for conditions that a healthy machine meets in well under 1 s
+
+
+def wait_for(cond: Callable[[], object], what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def pushed(r, run: str) -> int:
+    return r.xinfo_stream(Keys(run).tasks)["entries-added"]
+
+
+class FakeLearner:
+    """Reads the tasks stream a group at a time (all of a prompt's samples are pushed together)
+    and reports the hash fields the real learner reports. ``decide(group_index)`` returns
+    ``"apply"``, ``"zero_variance"`` or ``"stale"``."""
+
+    def __init__(self, r, run: str, limit: int, batch_groups: int = 2):
+        self.r, self.keys, self.batch_groups = r, Keys(run), batch_groups
+        self.last = "0-0"
+        self.groups = 0
+        self.c = dict.fromkeys(
+            (
+                "groups_consumed",
+                "groups_applied",
+                "dropped_stale",
+                "dropped_zero_variance",
+                "dropped_invalid",
+                "samples_consumed",
+                "waiting_groups",
+            ),
+            0,
+        )
+        self.c["max_in_flight"] = limit
+        self.r.hset(self.keys.learner, mapping=self.c)
+
+    def consume(self, decide: Callable[[int], str]) -> int:
+        rows = self.r.xrange(self.keys.tasks, min=f"({self.last}", count=1000)
+        for eid, _ in rows:
+            self.last = eid.decode()
+        c = self.c
+        for _ in range(len(rows) // G):
+            kind = decide(self.groups)
+            self.groups += 1
+            c["groups_consumed"] += 1
+            c["samples_consumed"] += G
+            if kind == "apply":
+                c["waiting_groups"] += 1
+                if c["waiting_groups"] == self.batch_groups:
+                    c["groups_applied"] += self.batch_groups
+                    c["waiting_groups"] = 0
+            else:
+                c[f"dropped_{kind}"] += 1
+        if rows:
+            self.r.hset(self.keys.learner, mapping=c)
+        return len(rows)
+
+
+def start_producer(r, run: str, adm: LearnerAdmission, prompts: int, batch: int = 2 * G):
+    done: dict = {}
+
+    def go():
+        try:
+            done["result"] = Producer(r, run, admission=adm, batch_samples=batch).from_env(
+                make_env("counter"), prompts, G
+            )
+        except BaseException as e:  # reported by the test
+            done["error"] = e
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t, done
+
+
+def state(r, run: str) -> dict:
+    return {k.decode(): v.decode() for k, v in r.hgetall(Keys(run).producer_state).items()}
+
+
+# ---------------------------------------------------------------------------- drop budget
+
+
+def test_drops_hold_the_producer_after_one_window_plus_the_allowance(r, run_name):
+    """The incident: workers never load new policies, so every group is stale. The producer
+    pushes one window, then one more window of drops settles (the start allowance), and then
+    it waits, saying why; nothing is applied, so nothing more settles."""
+    limit = 16
+    told: list[Hold] = []
+    adm = LearnerAdmission(
+        r, run_name, G, limit=limit, on_wait=told.append, drop_probe_s=0, tell_every_s=0.05
+    )
+    learner = FakeLearner(r, run_name, limit)
+    t, done = start_producer(r, run_name, adm, prompts=50)
+
+    def held() -> bool:
+        learner.consume(lambda i: "stale")
+        return state(r, run_name).get("reason") == DROP_BUDGET
+
+    wait_for(held, "the producer to wait on its drop budget")
+    learner.consume(lambda i: "stale")
+    assert pushed(r, run_name) == 2 * limit  # one window + one window of drops, no more
+    assert learner.c["groups_applied"] == 0 and learner.c["dropped_stale"] == 2 * limit // G
+    assert t.is_alive() and "result" not in done
+    st = state(r, run_name)
+    assert st["state"] == "waiting" and "drop budget exhausted" in st["message"]
+    assert adm.gate().debt == limit
+    wait_for(lambda: told, "on_wait to be told")
+    assert told[-1].reason == DROP_BUDGET and "stale, zero-variance" in told[-1].message
+
+    # The cause is fixed (groups are trainable again). Nothing is left in the pipeline that
+    # could pay the debt, so a probe push goes through; its groups are applied, pay the debt,
+    # and the producer runs to the end.
+    adm.drop_probe_s = 0.05
+
+    def finished() -> bool:
+        learner.consume(lambda i: "apply")
+        return not t.is_alive()
+
+    wait_for(finished, "the producer to finish after the fix")
+    assert "error" not in done and done["result"].prompts == 50
+    assert adm.probes >= 1
+    assert learner.c["groups_applied"] + learner.c["waiting_groups"] == 50 - 2 * limit // G
+
+
+def test_debt_is_paid_by_applied_samples(r, run_name):
+    """Unit view of the rule: settled = useful + dropped - debt, debt = what the balance
+    (one window + 9 per useful sample, minus 1 per dropped sample) does not cover."""
+    keys = Keys(run_name)
+    Producer(r, run_name).from_env(make_env("counter"), 8, G)  # 32 samples
+    r.hset(keys.learner, mapping={"max_in_flight": 16, "samples_consumed": 28})
+    r.hset(keys.learner, mapping={"groups_consumed": 7, "dropped_stale": 7})
+    adm = LearnerAdmission(r, run_name, G)
+    gate = adm.gate()
+    assert (gate.dropped, gate.useful, gate.debt, gate.pipeline) == (28, 0, 12, 4)
+    assert gate.in_flight == 16
+    hold = adm.hold(8, gate, None, time.time())
+    assert hold is not None and hold.reason == DROP_BUDGET
+    # the last group is applied (it waits in the learner's open batch): 4 useful samples pay
+    # for 36 dropped ones
+    r.hset(keys.learner, mapping={"groups_consumed": 8, "samples_consumed": 32})
+    r.hset(keys.learner, "waiting_groups", 1)
+    gate = adm.gate()
+    assert (gate.useful, gate.debt, gate.in_flight) == (4, 0, 0)
+    assert adm.hold(8, gate, None, time.time()) is None
+    assert adm.balance == 16 - 28 + 9 * 4  # one window - 28 dropped + 9 x 4 useful
+
+
+def test_a_restarted_learner_is_not_charged_twice(r, run_name):
+    """A learner restarted from its checkpoint republishes older counters and re-reads the
+    entries after it; the replayed drops must not be charged again."""
+    keys = Keys(run_name)
+    Producer(r, run_name).from_env(make_env("counter"), 6, G)  # 24 samples
+    adm = LearnerAdmission(r, run_name, G)
+    r.hset(keys.learner, mapping={"max_in_flight": 16, "samples_consumed": 24})
+    r.hset(keys.learner, mapping={"groups_consumed": 6, "dropped_zero_variance": 6})
+    assert adm.gate().debt == 8
+    # restart: back to the checkpoint (2 groups), then the replay reaches 6 groups again
+    r.hset(keys.learner, mapping={"samples_consumed": 8, "groups_consumed": 2})
+    gate = adm.gate()
+    assert gate.debt == 8 and gate.pipeline == 16  # the replayed entries count as in flight
+    r.hset(keys.learner, mapping={"samples_consumed": 24, "groups_consumed": 6})
+    assert adm.gate().debt == 8
+
+
+def test_a_restarted_producer_keeps_the_debt(r, run_name):
+    keys = Keys(run_name)
+    Producer(r, run_name).from_env(make_env("counter"), 8, G)
+    r.hset(keys.learner, mapping={"max_in_flight": 16, "samples_consumed": 32})
+    r.hset(keys.learner, mapping={"groups_consumed": 8, "dropped_stale": 8})
+    first = LearnerAdmission(r, run_name, G)
+    gate = first.gate()
+    assert gate.debt == 16
+    first.finish()
+    second = LearnerAdmission(r, run_name, G)
+    assert second.gate().debt == 16
+    assert state(r, run_name)["state"] == "done"
+
+
+def test_max_drop_fraction_one_lets_every_drop_settle(r, run_name):
+    keys = Keys(run_name)
+    Producer(r, run_name).from_env(make_env("counter"), 8, G)
+    r.hset(keys.learner, mapping={"max_in_flight": 16, "samples_consumed": 32})
+    adm = LearnerAdmission(r, run_name, G, max_drop_fraction=1.0)
+    assert adm.in_flight() == (0, 16)
+    with pytest.raises(ValueError):
+        LearnerAdmission(r, run_name, G, max_drop_fraction=1.5)
+
+
+# ---------------------------------------------------------------------------- memory budget
+
+
+def _ballast(r, mb: int) -> None:
+    for i in range(mb):
+        r.set(f"ballast:{i}", b"x" * (1024 * 1024))
+
+
+def test_memory_budget_holds_the_producer_until_memory_falls(r, run_name):
+    _ballast(r, 24)
+    used = r.info("memory")["used_memory"] / 2**20
+    adm = LearnerAdmission(r, run_name, G, redis_memory_mb=used - 8, memory_check_s=0.05)
+    t, done = start_producer(r, run_name, adm, prompts=4)
+    wait_for(lambda: state(r, run_name).get("reason") == MEMORY_BUDGET, "a memory hold")
+    st = state(r, run_name)
+    assert st["state"] == "waiting" and "[admission] redis_memory_mb" in st["message"]
+    assert float(st["used_memory_mb"]) >= float(st["memory_budget_mb"])
+    assert r.exists(Keys(run_name).tasks) == 0  # nothing was pushed
+    r.delete(*[f"ballast:{i}" for i in range(24)])
+    t.join(timeout=WAIT_S)
+    assert not t.is_alive() and done["result"].samples == 16
+    assert state(r, run_name)["state"] == "running"
+
+
+def test_memory_budget_follows_maxmemory(r, run_name):
+    _ballast(r, 24)
+    used = r.info("memory")["used_memory"]
+    r.config_set("maxmemory", str(used + 4 * 2**20))  # 80 % of it is below what is used
+    try:
+        adm = LearnerAdmission(r, run_name, G, redis_memory_mb=0, memory_check_s=0.05)
+        t, done = start_producer(r, run_name, adm, prompts=4)
+        wait_for(lambda: state(r, run_name).get("reason") == MEMORY_BUDGET, "a memory hold")
+        assert "80% of maxmemory" in state(r, run_name)["message"]
+        info = collect(r, run_name)["producer"]
+        assert info["state"] == "waiting" and info["reason"] == MEMORY_BUDGET
+        assert info["waiting_s"] >= 0
+        r.delete(*[f"ballast:{i}" for i in range(24)])
+        t.join(timeout=WAIT_S)
+        assert not t.is_alive() and done["result"].samples == 16
+    finally:
+        r.config_set("maxmemory", "0")
+
+
+# ---------------------------------------------------------------------------- liveness
+
+
+def test_healthy_run_with_mostly_zero_variance_groups_never_deadlocks(r, run_name):
+    """70 % zero-variance and 5 % stale drops, the rest trained: the producer pushes everything,
+    without probes, never running into its drop budget."""
+    limit, prompts = 3 * 2 * G, 300  # (max_staleness + 1) x batch of 2 groups
+    rng = random.Random(0)
+    plan = ["zero_variance"] * 70 + ["stale"] * 5 + ["apply"] * 25
+    kinds = [rng.choice(plan) for _ in range(prompts)]
+    adm = LearnerAdmission(r, run_name, G, limit=limit, drop_probe_s=0)
+    observer = LearnerAdmission(r, run_name, G, limit=limit)  # its own balance, same rule
+    learner = FakeLearner(r, run_name, limit)
+    t, done = start_producer(r, run_name, adm, prompts=prompts)
+
+    def finished() -> bool:
+        learner.consume(lambda i: kinds[i])
+        gate = observer.gate()
+        assert gate.in_flight <= limit and gate.debt == 0
+        return not t.is_alive()
+
+    wait_for(finished, "the producer to push everything")
+    learner.consume(lambda i: kinds[i])
+    assert "error" not in done and done["result"].prompts == prompts
+    assert adm.probes == 0 and DROP_BUDGET not in adm.waits
+    c = learner.c
+    assert c["groups_consumed"] == prompts
+    assert c["dropped_zero_variance"] == kinds.count("zero_variance")
+    assert adm.gate().in_flight == 0  # the open batch counts as settled
+
+
+def test_no_learner_and_full_window_say_so(r, run_name):
+    limit = 8
+    adm = LearnerAdmission(r, run_name, G, limit=limit)
+    Producer(r, run_name, admission=adm, batch_samples=limit).from_env(make_env("counter"), 2, G)
+    gate = adm.gate()
+    assert adm.hold(limit, gate, None, 0.0).reason == NO_LEARNER
+    FakeLearner(r, run_name, limit)
+    hold = adm.hold(limit, adm.gate(), None, 0.0)
+    assert hold.reason == WINDOW_FULL and "waiting for the learner" in hold.message
+
+
+def test_admission_table_in_run_config(tmp_path):
+    p = tmp_path / "run.toml"
+    p.write_text("[admission]\nredis_memory_mb = 256\nmax_drop_fraction = 0.5\n")
+    cfg = load_toml(p)
+    assert cfg.admission.redis_memory_mb == 256 and cfg.admission.max_drop_fraction == 0.5
+    assert RunConfig().admission.redis_memory_mb == 1024
+    p.write_text("[admission]\nredis_memory = 256\n")
+    with pytest.raises(ValueError, match="unknown field"):
+        load_toml(p)
+    p.write_text("[admission]\nmax_drop_fraction = 2\n")
+    with pytest.raises(ValueError):
+        load_toml(p)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(cfg), type=RunConfig) == cfg
