@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import click
 import msgspec
 import redis
 
@@ -33,8 +32,9 @@ class PolicyStale(RuntimeError):
     """A rollout worker has served a too old policy for too long (raised by its lease)."""
 
 
-class RunFaulted(click.ClickException):
-    """The run is faulted: stop with its one-line reason (``Error: ...``, exit status 1)."""
+class RunFaulted(RuntimeError):
+    """The run is faulted: the command line stops with its one-line reason (``Error: ...``, exit
+    status 1)."""
 
 
 def one_line(text: str, limit: int = MAX_REASON_CHARS) -> str:

@@ -11,6 +11,7 @@ import time
 import click
 
 from streamrl import defaults as d
+from streamrl.bus.health import RunFaulted
 from streamrl.cli.options import env_option
 
 
@@ -129,6 +130,8 @@ class Group(click.Group):
             return super().invoke(ctx)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
+        except RunFaulted as e:
+            raise click.ClickException(str(e)) from None
         except Exception as e:
             if ctx.params.get("debug") or os.environ.get("STREAMRL_DEBUG", "") not in ("", "0"):
                 raise
@@ -946,18 +949,14 @@ class LazyCommand(click.Command):
 
 
 def _register_optional() -> None:
-    """Commands that live next to what they drive."""
-    from streamrl.evaluation.audit import audit_command
-    from streamrl.evaluation.heldout import eval_command
-    from streamrl.verifiers.sandbox import sandbox_group
+    """Commands in modules of their own (learn is imported only when it runs: torch)."""
+    from streamrl.cli.evaluate import audit_command, eval_command
+    from streamrl.cli.sandbox import sandbox_group
 
     main.add_command(audit_command, "audit")
     main.add_command(eval_command, "eval")
-    main.add_command(LazyCommand("streamrl.learner.loop:learn_command", "learn", _LEARN_HELP))
+    main.add_command(LazyCommand("streamrl.cli.learn:learn_command", "learn", _LEARN_HELP))
     main.add_command(sandbox_group, "sandbox")
 
 
 _register_optional()
-
-if __name__ == "__main__":
-    main()

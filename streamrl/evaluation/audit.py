@@ -31,13 +31,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import click
 import msgspec
 
-from streamrl.cli.options import env_option
 from streamrl.config import RolloutConfig
-from streamrl.envs.base import Environment, OptionError, Verdict
-from streamrl.envs.registry import UnknownEnvironment, make_env
+from streamrl.envs.base import Environment, Verdict
+from streamrl.envs.registry import make_env
 from streamrl.policy.base import Policy, PolicyRequest
 from streamrl.schema import (
     TASK,
@@ -448,37 +446,3 @@ def format_report(report: AuditReport) -> str:
                 line += f" - {w.detail[:160]}"
         lines.append(line)
     return "\n".join(lines)
-
-
-@click.command("audit")
-@click.option("--env", "env_name", required=True, help="Environment name or module:Class.")
-@click.option(
-    "--samples",
-    type=click.IntRange(min=1),
-    default=DEFAULT_SAMPLES,
-    show_default=True,
-    help="Tasks to audit.",
-)
-@click.option("--seed", default=0, show_default=True, help="Generator seed.")
-@env_option
-@click.option("--max-turns", default=DEFAULT_MAX_TURNS, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def audit_command(
-    env_name: str,
-    samples: int,
-    seed: int,
-    env_options: dict[str, Any],
-    max_turns: int,
-    as_json: bool,
-) -> None:
-    """Check that an environment's verifier gives the reference agent full reward and no
-    cheating answer more than a wrong one; exits 1 on any failure."""
-    try:
-        report = run_audit(env_name, samples, seed, env_options, max_turns)
-    except UnknownEnvironment as e:
-        raise click.BadParameter(str(e), param_hint="--env") from e
-    except OptionError as e:
-        raise click.BadParameter(str(e), param_hint="--env-option") from e
-    click.echo(msgspec.json.encode(report).decode() if as_json else format_report(report))
-    if not report.passed:
-        raise SystemExit(1)

@@ -266,6 +266,6 @@ def launch(nproc: int, args: list[str]) -> int:
     """``streamrl learn --nproc N``: run the learner under torchrun on this machine."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", "-m", "streamrl.learner.loop", *args,
+        f"--nproc-per-node={nproc}", "-m", "streamrl.cli.learn", *args,
     ]  # fmt: skip
     return subprocess.call(cmd)

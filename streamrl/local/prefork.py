@@ -44,7 +44,7 @@ PRELOAD = [
     "streamrl.models.tiny",
     "streamrl.policy.hf",
     "streamrl.workers.rollout",
-    "streamrl.learner.loop",
+    "streamrl.cli.learn",
 ]
 
 

@@ -96,7 +96,7 @@ def test_sigkilled_learner_matches_uninterrupted_run(
     ids = feed(r, keys, groups)
     cfg_path = _config(tmp_path, tiny_dir, "kill")
     cmd = [
-        sys.executable, "-m", "streamrl.learner.loop", "--config", str(cfg_path),
+        sys.executable, "-m", "streamrl.cli.learn", "--config", str(cfg_path),
         "--redis", redis_url, "--run", "kill", "--exit-when-idle", "0.5",
     ]  # fmt: skip
     log_path = tmp_path / "kill.log"

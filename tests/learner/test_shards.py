@@ -62,7 +62,7 @@ def test_sharded_learner_is_exactly_once_across_shards(
     cfg = tmp_path / "learn.toml"
     cfg.write_text(CONFIG.format(run=run, model=tiny_dir, out=tmp_path / "out"))
     cmd = [
-        sys.executable, "-m", "streamrl.learner.loop", "--config", str(cfg),
+        sys.executable, "-m", "streamrl.cli.learn", "--config", str(cfg),
         "--redis", url, "--exit-when-idle", "0.5",
     ]  # fmt: skip
 

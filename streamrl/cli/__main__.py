@@ -1,0 +1,5 @@
+"""`python -m streamrl.cli`: the `streamrl` command."""
+
+from streamrl.cli import main
+
+main()

@@ -1,0 +1,224 @@
+"""`streamrl eval` and `streamrl audit`: held-out pass@k of a model, and an environment's
+verifier audit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+import msgspec
+
+from streamrl.cli.options import env_option
+from streamrl.config import RunConfig
+from streamrl.envs.base import OptionError
+from streamrl.envs.registry import UnknownEnvironment
+from streamrl.evaluation.audit import DEFAULT_MAX_TURNS, DEFAULT_SAMPLES, run_audit
+from streamrl.evaluation.audit import format_report as format_audit
+from streamrl.evaluation.heldout import (
+    DEFAULT_K,
+    DEFAULT_PROMPTS,
+    DEFAULT_TRAIN_PROMPTS,
+    EvalError,
+    WeightsError,
+    evaluate,
+    format_report,
+)
+from streamrl.models.local import ModelNotFound
+
+
+@click.command("eval")
+@click.option("--env", "env_name", default=None, help="Environment name or module:Class.")
+@env_option
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Run config TOML (env, env_options, [policy]).",
+)
+@click.option("--model", default=None, help="Local transformers model directory (policy.model).")
+@click.option(
+    "--weights",
+    default=None,
+    help="A policy version the learner published (policy/v<N>), loaded over --model.",
+)
+@click.option(
+    "--prompts",
+    type=click.IntRange(min=1),
+    default=DEFAULT_PROMPTS,
+    show_default=True,
+    help="Held-out prompts to evaluate on.",
+)
+@click.option(
+    "--k",
+    "k",
+    type=click.IntRange(min=1),
+    default=DEFAULT_K,
+    show_default=True,
+    help="Samples per prompt.",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="The producer's seed: held-out prompts are derived from it and exclude its training "
+    "prompts; also seeds sampling.",
+)
+@click.option(
+    "--train-prompts",
+    type=click.IntRange(min=0),
+    default=DEFAULT_TRAIN_PROMPTS,
+    show_default=True,
+    help="Held-out prompts differ from training prompts 0..N-1 of --seed.",
+)
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Sampling temperature [default: policy.temperature, 1.0].",
+)
+@click.option(
+    "--max-new-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Tokens per model turn [default: policy.max_new_tokens, 64].",
+)
+@click.option(
+    "--max-turns",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Turns per episode [default: rollout.max_turns, 8].",
+)
+@click.option(
+    "--pass-reward",
+    type=float,
+    default=None,
+    help="A sample passes at this reward or more [default: the environment's max_reward].",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def eval_command(
+    env_name: str | None,
+    env_options: dict[str, Any],
+    config_path: str | None,
+    model: str | None,
+    weights: str | None,
+    prompts: int,
+    k: int,
+    seed: int,
+    train_prompts: int,
+    temperature: float | None,
+    max_new_tokens: int | None,
+    max_turns: int | None,
+    pass_reward: float | None,
+    as_json: bool,
+) -> None:
+    """Measure pass@1 and pass@k of a model on an environment's held-out prompts
+    (never its training prompts), running episodes in this process with the hf backend."""
+    from streamrl.config import load_toml
+
+    bar = _Bar()
+    try:
+        cfg: RunConfig = load_toml(config_path) if config_path else RunConfig()
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    if env_name is None and config_path is None:
+        raise click.UsageError("give --env NAME or --config C.toml")
+    name = env_name or cfg.env
+    model_dir = model or cfg.policy.model
+    if model is None and not model_dir:
+        raise click.UsageError("give --model DIR (or policy.model in --config)")
+    try:
+        report = evaluate(
+            name,
+            model_dir,
+            options={**cfg.env_options, **env_options},
+            weights=weights,
+            prompts=prompts,
+            k=k,
+            seed=seed,
+            temperature=cfg.policy.temperature if temperature is None else temperature,
+            max_new_tokens=max_new_tokens or cfg.policy.max_new_tokens,
+            max_turns=max_turns or cfg.rollout.max_turns,
+            pass_reward=pass_reward,
+            train_prompts=train_prompts,
+            policy_options=cfg.policy.options,
+            rollout=cfg.rollout,
+            progress=bar.update,
+        )
+    except UnknownEnvironment as e:
+        raise click.BadParameter(str(e), param_hint="--env") from None
+    except OptionError as e:
+        raise click.BadParameter(str(e), param_hint="--env-option") from None
+    except ModelNotFound as e:
+        if model is None:  # from the config file
+            raise click.ClickException(str(e).replace("--model", "policy.model", 1)) from None
+        raise click.BadParameter(str(e), param_hint="--model") from None
+    except WeightsError as e:
+        raise click.BadParameter(str(e), param_hint="--weights") from None
+    except EvalError as e:
+        raise click.ClickException(str(e)) from None
+    finally:
+        bar.stop()
+    if as_json:
+        click.echo(msgspec.json.encode(report).decode())
+    else:
+        from rich.console import Console
+
+        Console().print(format_report(report))
+
+
+class _Bar:
+    """A rich progress bar on stderr (drawn on a terminal only), started by the first sample."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+        self.task: Any = None
+
+    def update(self, done: int, total: int) -> None:
+        if self.bar is None:
+            from rich.console import Console
+            from rich.progress import Progress as Bar
+
+            self.bar = Bar(console=Console(stderr=True), transient=True)
+            self.task = self.bar.add_task("samples", total=total)
+            self.bar.start()
+        self.bar.update(self.task, completed=done)
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+@click.command("audit")
+@click.option("--env", "env_name", required=True, help="Environment name or module:Class.")
+@click.option(
+    "--samples",
+    type=click.IntRange(min=1),
+    default=DEFAULT_SAMPLES,
+    show_default=True,
+    help="Tasks to audit.",
+)
+@click.option("--seed", default=0, show_default=True, help="Generator seed.")
+@env_option
+@click.option("--max-turns", default=DEFAULT_MAX_TURNS, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def audit_command(
+    env_name: str,
+    samples: int,
+    seed: int,
+    env_options: dict[str, Any],
+    max_turns: int,
+    as_json: bool,
+) -> None:
+    """Check that an environment's verifier gives the reference agent full reward and no
+    cheating answer more than a wrong one; exits 1 on any failure."""
+    try:
+        report = run_audit(env_name, samples, seed, env_options, max_turns)
+    except UnknownEnvironment as e:
+        raise click.BadParameter(str(e), param_hint="--env") from e
+    except OptionError as e:
+        raise click.BadParameter(str(e), param_hint="--env-option") from e
+    click.echo(msgspec.json.encode(report).decode() if as_json else format_audit(report))
+    if not report.passed:
+        raise SystemExit(1)
