@@ -114,13 +114,6 @@ class Keys:
         return (self.tasks, self.rollouts, self.scored, self.groups, self.policy, self.dead)
 
 
-def id_order(entry_id: bytes | str) -> tuple[int, int]:
-    """A stream entry ID as a sortable pair (ms, seq)."""
-    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    ms, _, seq = text.partition("-")
-    return int(ms), int(seq or 0)
-
-
 def shard_keys(run: str, shards: int = 1) -> list[Keys]:
     """The keys of each shard of a run: ``[Keys(run)]`` when unsharded."""
     if shards < 1:

@@ -14,6 +14,7 @@ import redis
 from streamrl import schema
 from streamrl.bus import scripts
 from streamrl.bus.keys import Keys
+from streamrl.bus.values import as_str
 from streamrl.defaults import GROUP_DONE_TTL_S, LEARNER_GROUP, ROLLOUT_GROUP, VERIFY_GROUP
 
 
@@ -31,10 +32,6 @@ class Entry:
 
 def prompt_of(task_id: str) -> str:
     return task_id.rsplit(":", 1)[0]
-
-
-def _s(b: Any) -> str:
-    return b.decode() if isinstance(b, bytes) else str(b)
 
 
 def stage_groups(keys: Keys) -> list[tuple[str, str]]:
@@ -62,14 +59,14 @@ def parse_read(resp: Any) -> list[Entry]:
         for eid, fields in entries:
             if not fields:  # deleted while pending
                 continue
-            out.append(Entry(_s(eid), _s(fields.get(b"id", b"")), fields.get(b"p", b""), 1))
+            out.append(Entry(as_str(eid), as_str(fields.get(b"id", b"")), fields.get(b"p", b""), 1))
     return out
 
 
 def parse_claim(resp: Any) -> tuple[str, list[Entry]]:
-    cursor, rows = _s(resp[0]), resp[1]
+    cursor, rows = as_str(resp[0]), resp[1]
     return cursor, [
-        Entry(_s(eid), _s(tid), payload, int(n), sess or None)
+        Entry(as_str(eid), as_str(tid), payload, int(n), sess or None)
         for eid, tid, payload, n, sess in rows
     ]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import click
 
 from streamrl import defaults as d
 from streamrl.bus.health import RunFaulted
+from streamrl.bus.values import id_order
 from streamrl.cli.options import env_option
 
 
@@ -113,8 +115,10 @@ class StreamId(click.ParamType):
 
     def convert(self, value, param, ctx):  # type: ignore[override]
         text = str(value).strip()
-        ms, _, seq = text.partition("-")
-        if text in self.specials or (ms.isdigit() and (not seq or seq.isdigit())):
+        if text in self.specials:
+            return text
+        with contextlib.suppress(ValueError):
+            id_order(text)
             return text
         allowed = ", ".join(["<ms>", "<ms>-<seq>", *self.specials])
         self.fail(f"{value!r} is not a stream entry ID ({allowed})", param, ctx)
@@ -487,8 +491,8 @@ def watch(c: Ctx, interval: float) -> None:
 def dead(c: Ctx, limit: int, as_json: bool) -> None:
     """The newest dead letters, with the reason each entry left its stage."""
     from streamrl import schema
-    from streamrl.bus.keys import id_order
     from streamrl.bus.shards import run_shards
+    from streamrl.bus.values import id_order
 
     r = c.client()
     rows = [row for k in run_shards(r, c.run) for row in r.xrevrange(k.dead, count=limit)]

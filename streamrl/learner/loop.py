@@ -49,6 +49,7 @@ from streamrl import schema
 from streamrl.bus import health
 from streamrl.bus.keys import Keys, shard_keys
 from streamrl.bus.streams import ensure_groups
+from streamrl.bus.values import as_str, id_order
 from streamrl.connection import connect
 from streamrl.defaults import LEARNER_GROUP, SHARD_BLOCK_MS
 from streamrl.learner import publish
@@ -80,15 +81,6 @@ from streamrl.learner.train import StepStats, make_optimizer, train_step
 from streamrl.workers.context import read_config
 
 log = structlog.get_logger("streamrl.learner")
-
-
-def id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
-def _s(b: bytes | str) -> str:
-    return b.decode() if isinstance(b, bytes) else b
 
 
 Ref = tuple[int, str]  # (shard index, entry id): one entry of one shard's groups stream
@@ -155,7 +147,9 @@ class Learner:
             block=block_ms,
         )
         return [
-            (shard, _s(eid), fields) for _stream, entries in resp or () for eid, fields in entries
+            (shard, as_str(eid), fields)
+            for _stream, entries in resp or ()
+            for eid, fields in entries
         ]
 
     def read(self, start: str, block_ms: int | None) -> list[tuple]:
@@ -440,7 +434,7 @@ def run_learner(
 
     # Entries delivered to us before a crash: skip what the checkpoint covers, redo the rest.
     for shard, entry_id, fields in lrn.read_pending():
-        if id_key(entry_id) <= id_key(lrn.covered(shard)):
+        if id_order(entry_id) <= id_order(lrn.covered(shard)):
             lrn.ack([(shard, entry_id)])
         elif not lrn.done():
             lrn.take(shard, entry_id, fields)

@@ -36,6 +36,7 @@ from prometheus_client.registry import Collector
 from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.bus.streams import stage_groups
+from streamrl.bus.values import as_str, id_order
 from streamrl.defaults import (
     METRICS_REWARD_BUCKETS,
     METRICS_TAIL_MAX_ENTRIES,
@@ -73,20 +74,11 @@ def dead_letter_class(reason: str) -> str:
     return "other"
 
 
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 def _num(v: Any) -> float | None:
     try:
-        return float(_s(v))
+        return float(as_str(v))
     except (TypeError, ValueError):
         return None
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 @dataclass
@@ -127,7 +119,7 @@ class _Tail:
         """Entries after the cursor, at most ``limit``. A stream that was deleted and made
         again (its newest ID behind the cursor) is read again from its start."""
         newest = r.xrevrange(stream, count=1)
-        if newest and _id_key(_s(newest[0][0])) < _id_key(self.last):
+        if newest and id_order(as_str(newest[0][0])) < id_order(self.last):
             self.last = "0-0"
         out: list[tuple[str, dict]] = []
         while len(out) < limit:
@@ -135,7 +127,7 @@ class _Tail:
             if not rows:
                 break
             for eid, fields in rows:
-                self.last = _s(eid)
+                self.last = as_str(eid)
                 out.append((self.last, fields))
         return out
 
@@ -223,7 +215,7 @@ class PipelineCollector(Collector):
                 f.pending.add_metric(labels, g.get("pending") or 0)
                 f.consumers.add_metric(labels, g.get("consumers") or 0)
 
-        stats = {_s(k): _num(v) or 0.0 for k, v in r.hgetall(keys.stats).items()}
+        stats = {as_str(k): _num(v) or 0.0 for k, v in r.hgetall(keys.stats).items()}
         f.trajectories.add_metric([run], stats.get("trajectories", 0.0))
         f.scored.add_metric([run], stats.get("scored", 0.0))
         f.groups_completed.add_metric([run], stats.get("groups_completed", 0.0))
@@ -247,7 +239,7 @@ class PipelineCollector(Collector):
         self._feeds_of(f, run, keys)
 
     def _learner(self, f: _Families, run: str, keys: Keys, now: float) -> None:
-        raw = {_s(k): _s(v) for k, v in self.r.hgetall(keys.learner).items()}
+        raw = {as_str(k): as_str(v) for k, v in self.r.hgetall(keys.learner).items()}
         if not raw:
             return
         num = {k: _num(v) for k, v in raw.items()}
@@ -295,7 +287,7 @@ class PipelineCollector(Collector):
             f.learner_updated_age.add_metric([run], max(0.0, now - (num["updated_at"] or 0.0)))
 
     def _producer(self, f: _Families, run: str, keys: Keys) -> None:
-        raw = {_s(k): _s(v) for k, v in self.r.hgetall(keys.producer_state).items()}
+        raw = {as_str(k): as_str(v) for k, v in self.r.hgetall(keys.producer_state).items()}
         if not raw:
             return
         f.producer_waiting.add_metric([run], 1 if raw.get("state") == "waiting" else 0)
@@ -528,7 +520,7 @@ def run_names(r: redis.Redis, run: str, all_runs: bool) -> Callable[[], list[str
     def names() -> list[str]:
         if not all_runs:
             return [run]
-        return sorted({run, *(_s(x) for x in r.smembers(RUNS_KEY))})
+        return sorted({run, *(as_str(x) for x in r.smembers(RUNS_KEY))})
 
     return names
 

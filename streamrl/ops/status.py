@@ -14,15 +14,12 @@ from streamrl.bus.health import policy_health
 from streamrl.bus.keys import Keys
 from streamrl.bus.shards import run_shards
 from streamrl.bus.streams import stage_groups
+from streamrl.bus.values import as_str
 from streamrl.defaults import ROLLOUT_QUEUE, VERIFY_QUEUE
 
 
-def _s(v: Any) -> Any:
-    return v.decode() if isinstance(v, bytes) else v
-
-
 def _num(v: Any) -> Any:
-    v = _s(v)
+    v = None if v is None else as_str(v)
     try:
         return int(v)
     except (TypeError, ValueError):
@@ -39,11 +36,11 @@ def stream_info(r: redis.Redis, stream: str) -> dict[str, Any]:
     except redis.ResponseError:
         groups = []
     for g in groups:
-        info["groups"][_s(g["name"])] = {
+        info["groups"][as_str(g["name"])] = {
             "lag": g.get("lag"),
             "pending": g.get("pending"),
             "consumers": g.get("consumers"),
-            "last_delivered": _s(g.get("last-delivered-id")),
+            "last_delivered": as_str(g.get("last-delivered-id")),
         }
     return info
 
@@ -51,7 +48,7 @@ def stream_info(r: redis.Redis, stream: str) -> dict[str, Any]:
 def producer_state(r: redis.Redis, keys: Keys) -> dict[str, Any]:
     """The producer's gate (producer.LearnerAdmission): ``state`` running, waiting or done;
     while waiting, ``reason``, ``message`` and ``since``; its figures. Empty: no producer."""
-    out = {_s(k): _num(v) for k, v in r.hgetall(keys.producer_state).items()}
+    out = {as_str(k): _num(v) for k, v in r.hgetall(keys.producer_state).items()}
     if out.get("state") == "waiting" and isinstance(out.get("since"), float | int):
         out["waiting_s"] = round(max(0.0, time.time() - out["since"]), 1)
     return out
@@ -62,7 +59,7 @@ _COUNTERS = ("groups_completed", "groups_dropped", "trajectories", "duplicates_i
 
 def shard_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
     """Streams and counters of one shard (of the whole run when unsharded)."""
-    stats = {_s(k): _num(v) for k, v in r.hgetall(keys.stats).items()}
+    stats = {as_str(k): _num(v) for k, v in r.hgetall(keys.stats).items()}
     stages = {}
     for stream, _group in stage_groups(keys):
         stages[stream.rsplit(":", 1)[1]] = stream_info(r, stream)
@@ -108,7 +105,7 @@ def collect(r: redis.Redis, run: str, control: redis.Redis | None = None) -> dic
     keys = Keys(run)
     shards = run_shards(r, run)
     parts = [shard_status(r, k) for k in shards]
-    learner = {_s(k): _num(v) for k, v in r.hgetall(keys.learner).items()}
+    learner = {as_str(k): _num(v) for k, v in r.hgetall(keys.learner).items()}
     policy_version = None
     last = r.xrevrange(keys.policy, count=1)
     if last:

@@ -21,6 +21,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
+from streamrl.bus.values import as_str
 from streamrl.defaults import (
     LEASE_DRAIN_SECONDS,
     LEASE_JOB_TIMEOUT_GRACE,
@@ -177,7 +178,7 @@ def has_work(r: redis.Redis, name: str, run: str, shard: int | None = None) -> b
     except redis.ResponseError:  # no stream yet
         return False
     for g in groups:
-        gname = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
+        gname = as_str(g["name"])
         if gname == group:
             lag = g.get("lag")  # None when Redis cannot tell (after XDEL / trimming)
             return lag is None or lag > 0 or g.get("pending", 0) > 0
@@ -214,8 +215,7 @@ def queue_health(r: redis.Redis, name: str) -> dict:
 
 
 def _state(w: Worker) -> str:
-    s = w.get_state()
-    return s.decode() if isinstance(s, bytes) else str(s)
+    return as_str(w.get_state())
 
 
 def failures(r: redis.Redis, name: str) -> dict:

@@ -9,10 +9,11 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
+from streamrl.cli.evaluate import audit_command
 from streamrl.envs import Verdict, last_assistant_text, make_env
 from streamrl.envs.counter import CounterEnv
 from streamrl.envs.registry import BUILTIN
-from streamrl.evaluation.audit import AuditReport, audit_command, make_task, play, run_audit
+from streamrl.evaluation.audit import AuditReport, make_task, play, run_audit
 from streamrl.schema import Message
 
 

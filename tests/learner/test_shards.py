@@ -14,8 +14,9 @@ import torch
 from groupdata import make_groups
 
 from streamrl import schema
-from streamrl.bus.keys import id_order, shard_keys
+from streamrl.bus.keys import shard_keys
 from streamrl.bus.streams import ensure_groups
+from streamrl.bus.values import id_order
 from streamrl.config import RunConfig, StreamConfig
 from streamrl.connection import connect
 from streamrl.defaults import LEARNER_GROUP

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from streamrl.verifiers.sandbox import _pids_of_uid, run_python, sandbox_group
+from streamrl.cli.sandbox import sandbox_group
+from streamrl.verifiers.sandbox import _pids_of_uid, run_python
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="uid switch and namespaces need root")
