@@ -19,8 +19,8 @@ import redis
 from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.bus.streams import xrange_all
+from streamrl.bus.values import id_order
 from streamrl.defaults import LEARNER_GROUP, ROLLOUT_QUEUE, VERIFY_QUEUE
-from streamrl.learner.loop import id_key
 from streamrl.local.procs import WorkerProcs
 from streamrl.models.tiny import save_tiny
 from tests.support.waiting import wait_for
@@ -127,7 +127,7 @@ def test_every_role_rides_out_redis_restarts(subprocess_env, tmp_path):
         assert learner_field("groups_consumed") == PROMPTS  # committed + open window
         pending = r.xpending_range(keys.groups, LEARNER_GROUP, "-", "+", PROMPTS)
         assert final["counters"]["groups_consumed"] + len(pending) == PROMPTS, final
-        assert all(id_key(p["message_id"].decode()) > id_key(final["last_id"]) for p in pending)
+        assert all(id_order(p["message_id"].decode()) > id_order(final["last_id"]) for p in pending)
         assert final["step"] > steps_at_kill[-1], (final, steps_at_kill)
         r.close()
     finally:
