@@ -42,7 +42,7 @@ from streamrl.producer.produce import LearnerAdmission, Producer, admission_limi
 RUN = "demo"
 # What the demo runs: the shipped config the README's Training section runs by hand, so the
 # two cannot drift apart. Only the model directory, the run name and the output dir differ.
-DEMO_CONFIG = Path(__file__).parent / "configs" / "copy-tiny.toml"
+DEMO_CONFIG = Path(__file__).parents[1] / "configs" / "copy-tiny.toml"
 
 
 def demo_config(path: str | Path | None = None) -> RunConfig:
