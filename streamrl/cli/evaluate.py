@@ -13,8 +13,7 @@ from streamrl.cli.options import env_option
 from streamrl.config import RunConfig
 from streamrl.envs.base import OptionError
 from streamrl.envs.registry import UnknownEnvironment
-from streamrl.evaluation.audit import DEFAULT_MAX_TURNS, DEFAULT_SAMPLES, run_audit
-from streamrl.evaluation.audit import format_report as format_audit
+from streamrl.evaluation.audit import DEFAULT_MAX_TURNS, DEFAULT_SAMPLES, AuditReport, run_audit
 from streamrl.evaluation.heldout import EvalError, WeightsError, evaluate
 from streamrl.evaluation.spec import (
     DEFAULT_K,
@@ -286,6 +285,30 @@ def audit_command(
         raise click.BadParameter(str(e), param_hint="--env") from e
     except OptionError as e:
         raise click.BadParameter(str(e), param_hint="--env-option") from e
-    click.echo(msgspec.json.encode(report).decode() if as_json else format_audit(report))
+    click.echo(msgspec.json.encode(report).decode() if as_json else _audit_text(report))
     if not report.passed:
         raise SystemExit(1)
+
+
+def _audit_text(report: AuditReport) -> str:
+    verdict = "PASS" if report.passed else "FAIL"
+    lines = [
+        f"audit {report.env} v{report.env_version} (verifier {report.verifier} "
+        f"v{report.verifier_version}), {report.samples} samples, seed {report.seed}, "
+        f"max reward {report.max_reward:g}: {verdict} in {report.seconds:.2f}s"
+    ]
+    for c in report.checks:
+        status = "PASS" if c.passed else "FAIL"
+        line = f"  {status} {c.name:<12} {c.cases:>5} cases {c.failures:>4} failed"
+        if c.worst is not None:
+            w = c.worst
+            line += f"  worst: {w.task_id} {w.case}"
+            if w.reward is not None or w.detail:
+                reward = "error" if w.reward is None else f"{w.reward:g}"
+                line += f" reward {reward}"
+            if w.limit is not None:
+                line += f" (limit {w.limit:g})"
+            if w.detail:
+                line += f" - {w.detail[:160]}"
+        lines.append(line)
+    return "\n".join(lines)
