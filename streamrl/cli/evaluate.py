@@ -3,6 +3,7 @@ verifier audit."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import click
@@ -12,16 +13,14 @@ from streamrl.cli.options import env_option
 from streamrl.config import RunConfig
 from streamrl.envs.base import OptionError
 from streamrl.envs.registry import UnknownEnvironment
-from streamrl.evaluation.audit import DEFAULT_MAX_TURNS, DEFAULT_SAMPLES, run_audit
-from streamrl.evaluation.audit import format_report as format_audit
-from streamrl.evaluation.heldout import (
+from streamrl.evaluation.audit import DEFAULT_MAX_TURNS, DEFAULT_SAMPLES, AuditReport, run_audit
+from streamrl.evaluation.heldout import EvalError, WeightsError, evaluate
+from streamrl.evaluation.spec import (
     DEFAULT_K,
     DEFAULT_PROMPTS,
     DEFAULT_TRAIN_PROMPTS,
-    EvalError,
-    WeightsError,
-    evaluate,
-    format_report,
+    EvalReport,
+    EvalSpec,
 )
 from streamrl.models.local import ModelNotFound
 
@@ -96,61 +95,85 @@ from streamrl.models.local import ModelNotFound
     help="A sample passes at this reward or more [default: the environment's max_reward].",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def eval_command(
-    env_name: str | None,
-    env_options: dict[str, Any],
-    config_path: str | None,
-    model: str | None,
-    weights: str | None,
-    prompts: int,
-    k: int,
-    seed: int,
-    train_prompts: int,
-    temperature: float | None,
-    max_new_tokens: int | None,
-    max_turns: int | None,
-    pass_reward: float | None,
-    as_json: bool,
-) -> None:
+def eval_command(**given: Any) -> None:
     """Measure pass@1 and pass@k of a model on an environment's held-out prompts
     (never its training prompts), running episodes in this process with the hf backend."""
+    options = _EvalOptions(**given)
+    cfg = _run_config(options.config_path)
+    _check_eval_options(options, cfg)
+    report = _run_eval(_eval_spec(options, cfg), model_from_config=options.model is None)
+    _print_eval(report, options.as_json)
+
+
+@dataclass(frozen=True)
+class _EvalOptions:
+    """The eval command's options, as click parses them (``None``: not given)."""
+
+    env_name: str | None
+    env_options: dict[str, Any]
+    config_path: str | None
+    model: str | None
+    weights: str | None
+    prompts: int
+    k: int
+    seed: int
+    train_prompts: int
+    temperature: float | None
+    max_new_tokens: int | None
+    max_turns: int | None
+    pass_reward: float | None
+    as_json: bool
+
+
+def _check_eval_options(options: _EvalOptions, cfg: RunConfig) -> None:
+    """An environment and a model, each from an option or the run config."""
+    if options.env_name is None and options.config_path is None:
+        raise click.UsageError("give --env NAME or --config C.toml")
+    if options.model is None and not cfg.policy.model:
+        raise click.UsageError("give --model DIR (or policy.model in --config)")
+
+
+def _run_config(path: str | None) -> RunConfig:
     from streamrl.config import load_toml
 
-    bar = _Bar()
     try:
-        cfg: RunConfig = load_toml(config_path) if config_path else RunConfig()
+        return load_toml(path) if path else RunConfig()
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
-    if env_name is None and config_path is None:
-        raise click.UsageError("give --env NAME or --config C.toml")
-    name = env_name or cfg.env
-    model_dir = model or cfg.policy.model
-    if model is None and not model_dir:
-        raise click.UsageError("give --model DIR (or policy.model in --config)")
+
+
+def _eval_spec(options: _EvalOptions, cfg: RunConfig) -> EvalSpec:
+    """The options, each falling back to the run config where it has one."""
+    o = options
+    return EvalSpec(
+        env=o.env_name or cfg.env,
+        model=o.model or cfg.policy.model,
+        options={**cfg.env_options, **o.env_options},
+        weights=o.weights,
+        prompts=o.prompts,
+        k=o.k,
+        seed=o.seed,
+        train_prompts=o.train_prompts,
+        temperature=cfg.policy.temperature if o.temperature is None else o.temperature,
+        max_new_tokens=o.max_new_tokens or cfg.policy.max_new_tokens,
+        max_turns=o.max_turns or cfg.rollout.max_turns,
+        pass_reward=o.pass_reward,
+        policy_options=cfg.policy.options,
+        rollout=cfg.rollout,
+    )
+
+
+def _run_eval(spec: EvalSpec, model_from_config: bool) -> EvalReport:
+    """``evaluate`` with a progress bar, its errors as one line naming the option at fault."""
+    bar = _Bar()
     try:
-        report = evaluate(
-            name,
-            model_dir,
-            options={**cfg.env_options, **env_options},
-            weights=weights,
-            prompts=prompts,
-            k=k,
-            seed=seed,
-            temperature=cfg.policy.temperature if temperature is None else temperature,
-            max_new_tokens=max_new_tokens or cfg.policy.max_new_tokens,
-            max_turns=max_turns or cfg.rollout.max_turns,
-            pass_reward=pass_reward,
-            train_prompts=train_prompts,
-            policy_options=cfg.policy.options,
-            rollout=cfg.rollout,
-            progress=bar.update,
-        )
+        return evaluate(spec, progress=bar.update)
     except UnknownEnvironment as e:
         raise click.BadParameter(str(e), param_hint="--env") from None
     except OptionError as e:
         raise click.BadParameter(str(e), param_hint="--env-option") from None
     except ModelNotFound as e:
-        if model is None:  # from the config file
+        if model_from_config:
             raise click.ClickException(str(e).replace("--model", "policy.model", 1)) from None
         raise click.BadParameter(str(e), param_hint="--model") from None
     except WeightsError as e:
@@ -159,12 +182,55 @@ def eval_command(
         raise click.ClickException(str(e)) from None
     finally:
         bar.stop()
+
+
+def _print_eval(report: EvalReport, as_json: bool) -> None:
     if as_json:
         click.echo(msgspec.json.encode(report).decode())
     else:
         from rich.console import Console
 
-        Console().print(format_report(report))
+        Console().print(_eval_table(report))
+
+
+def _eval_table(report: EvalReport) -> Any:
+    from rich.table import Table
+
+    weights = f" + {report.weights}" if report.weights else ""
+    t = Table(
+        title=f"eval {report.env} v{report.env_version}: {report.model}{weights}",
+        show_header=False,
+    )
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    t.add_column()
+    held = (
+        f"{report.candidates} candidates, {report.excluded_seen} seen in training prompts "
+        f"0..{report.train_prompts - 1}, {report.excluded_duplicate} repeats"
+    )
+    t.add_row("prompts", str(report.prompts), f"held out, seed {report.seed}: {held}")
+    t.add_row(
+        "samples",
+        str(report.samples),
+        f"{report.k} per prompt at temperature {report.temperature:g}; "
+        f"{report.truncated} truncated",
+    )
+    t.add_row("mean reward", f"{report.mean_reward:.4f}", "")
+    lo, hi = report.pass_at_1_ci
+    t.add_row("pass@1", f"{report.pass_at_1:.4f}", f"[{lo:.4f}, {hi:.4f}] {report.ci_method}")
+    for k, value in report.pass_at_k.items():
+        if k == 1:
+            continue
+        lo, hi = report.pass_at_k_ci[k]
+        t.add_row(f"pass@{k}", f"{value:.4f}", f"[{lo:.4f}, {hi:.4f}]")
+    t.add_row("pass reward", f"{report.pass_reward:g}", "a sample passes at this reward or more")
+    t.add_row(
+        "seconds",
+        f"{report.seconds:.1f}",
+        f"{report.rollout_seconds:.1f} s sampling and verifying: {report.samples_per_s:.1f} "
+        "samples/s",
+    )
+    return t
 
 
 class _Bar:
@@ -219,6 +285,30 @@ def audit_command(
         raise click.BadParameter(str(e), param_hint="--env") from e
     except OptionError as e:
         raise click.BadParameter(str(e), param_hint="--env-option") from e
-    click.echo(msgspec.json.encode(report).decode() if as_json else format_audit(report))
+    click.echo(msgspec.json.encode(report).decode() if as_json else _audit_text(report))
     if not report.passed:
         raise SystemExit(1)
+
+
+def _audit_text(report: AuditReport) -> str:
+    verdict = "PASS" if report.passed else "FAIL"
+    lines = [
+        f"audit {report.env} v{report.env_version} (verifier {report.verifier} "
+        f"v{report.verifier_version}), {report.samples} samples, seed {report.seed}, "
+        f"max reward {report.max_reward:g}: {verdict} in {report.seconds:.2f}s"
+    ]
+    for c in report.checks:
+        status = "PASS" if c.passed else "FAIL"
+        line = f"  {status} {c.name:<12} {c.cases:>5} cases {c.failures:>4} failed"
+        if c.worst is not None:
+            w = c.worst
+            line += f"  worst: {w.task_id} {w.case}"
+            if w.reward is not None or w.detail:
+                reward = "error" if w.reward is None else f"{w.reward:g}"
+                line += f" reward {reward}"
+            if w.limit is not None:
+                line += f" (limit {w.limit:g})"
+            if w.detail:
+                line += f" - {w.detail[:160]}"
+        lines.append(line)
+    return "\n".join(lines)

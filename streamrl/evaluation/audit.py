@@ -1,7 +1,7 @@
 """``streamrl audit``: does an environment's verifier reward what it should, and only that?
 
-For a sample of generated tasks the audit plays scripted agents through a small local episode
-loop (``play``) and checks:
+For a sample of generated tasks the audit plays scripted agents through the rollout workers'
+episode loop (``play.play``; the cheating agents are in ``cheats``) and checks:
 
 - ``generate``: the same seed and index give the same task, and the task survives msgpack.
 - ``reference``: the reference agent (``Environment.reference``) completes and scores
@@ -22,178 +22,23 @@ is not a wrong answer (state-based tasks, games, partial credit).
 
 from __future__ import annotations
 
-import asyncio
-import json
 import math
-import random
 import time
 import traceback
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-from streamrl.config import RolloutConfig
-from streamrl.envs.base import Environment, Verdict
+from streamrl.envs.base import Verdict
 from streamrl.envs.registry import make_env
-from streamrl.policy.base import Policy, PolicyRequest
-from streamrl.schema import (
-    TASK,
-    TRAJECTORY,
-    FunctionCall,
-    Item,
-    Message,
-    ModelTurn,
-    Task,
-    Trajectory,
-    encode,
-)
-from streamrl.workers.episode import new_session, run_episode
-
-Agent = Callable[[Task, list[Item], Any], Item]
+from streamrl.evaluation.cheats import break_tool_calls, cheat_texts, final_text, swap_messages
+from streamrl.evaluation.play import DEFAULT_MAX_TURNS, Agent, make_task, play, verify
+from streamrl.schema import TRAJECTORY, FunctionCall, Task, Trajectory, encode
 
 DEFAULT_SAMPLES = 20
-DEFAULT_MAX_TURNS = 32
-LONG_CHARS = 100_000
-EPS = 1e-9
+_EPS = 1e-9
 
-
-# ---------------------------------------------------------------- a local episode loop
-
-
-class AgentPolicy(Policy):
-    """An agent function as a policy backend, so the audit runs the workers' own loop."""
-
-    name = "agent"
-
-    def __init__(self, agent: Agent):
-        self.agent = agent
-
-    async def respond(self, request: PolicyRequest) -> ModelTurn:
-        item = self.agent(request.task, request.items, request.state)
-        return ModelTurn(index=request.turn, items=[item])
-
-
-def play(
-    env: Environment, task: Task, agent: Agent, max_turns: int = DEFAULT_MAX_TURNS
-) -> Trajectory:
-    """Run one episode through the rollout workers' episode loop (no Redis, no commits)."""
-    config = RolloutConfig(max_turns=max_turns)
-    session = new_session(env, task)
-    return asyncio.run(run_episode(env, AgentPolicy(agent), task, session, None, config))
-
-
-def make_task(env: Environment, seed: int, index: int) -> Task:
-    """Task ``index`` of the env's generator under ``seed``, after a msgpack round trip (so
-    data that would not survive Redis fails here)."""
-    prompt = env.generate(random.Random(f"{seed}:{index}"), index)
-    prompt_id = f"{env.name}-{seed}-{index}"
-    task = Task(
-        task_id=f"{prompt_id}:0",
-        prompt_id=prompt_id,
-        k=0,
-        group_size=1,
-        env=env.name,
-        input=list(prompt.input),
-        data=dict(prompt.data),
-        seed=seed,
-    )
-    return TASK.decode(encode(task))
-
-
-def verify(env: Environment, task: Task, trajectory: Trajectory) -> Verdict:
-    """Score as the verifier worker does: from the trajectory's encoded state only."""
-    return env.verify(task, trajectory, env.decode_state(trajectory.state))
-
-
-# ---------------------------------------------------------------- the cheats
-
-
-def final_text(trajectory: Trajectory) -> str:
-    for item in reversed(trajectory.items):
-        if isinstance(item, Message) and item.role == "assistant":
-            return item.content
-    return ""
-
-
-def cheat_texts(task: Task, reference: str, wrong: str) -> dict[str, str]:
-    """Final answers that must not beat a wrong answer. ``reference`` is the correct answer's
-    text: a cheat that buries it among others, or breaks its markup, must not get credit."""
-    prompt = "\n".join(i.content for i in task.input if isinstance(i, Message))
-    unit = f"{prompt}\n{reference}\n{wrong}\n"
-    tail = "\nI am not sure."
-    long = (unit * (LONG_CHARS // max(1, len(unit)) + 1))[: LONG_CHARS - len(tail)] + tail
-    texts = {
-        "empty": "",
-        "blank": " \n\t ",
-        "echo_prompt": prompt,
-        "long_100k": long,
-        "both_answers": f"{wrong}\n{reference}",
-        "number_spray": " ".join(str(i) for i in range(-100, 1001)),
-        "boxed_spray": " ".join(f"\\boxed{{{i}}}" for i in range(0, 1001)) + " " + reference,
-        "tag_spray": "".join(f"<answer>{i}</answer>" for i in range(0, 201)) + reference,
-        "malformed_open": "\\boxed{\\frac{" + "{" * 50 + "<answer>",
-        "malformed_empty": "\\boxed{} <answer></answer> Answer:",
-    }
-    unclosed = reference.translate(str.maketrans("", "", "})>]"))
-    if unclosed != reference:
-        texts["malformed_unclosed"] = unclosed
-    doubled = reference.replace("{", "{{").replace("<", "<<")
-    if doubled != reference:
-        texts["malformed_doubled"] = doubled
-    return texts
-
-
-def swap_messages(agent: Agent, text: str) -> Agent:
-    """``agent``, except that every assistant message it would send is ``text``."""
-
-    def cheat(task: Task, items: list[Item], state: Any) -> Item:
-        item = agent(task, items, state)
-        if isinstance(item, Message):
-            return Message(role="assistant", content=text)
-        return item
-
-    return cheat
-
-
-_RETYPE: dict[str, Callable[[Any], Any]] = {
-    "integer": str,
-    "number": str,
-    "string": lambda v: [v],
-    "boolean": lambda v: "true" if v else "false",
-    "array": json.dumps,
-    "object": json.dumps,
-}
-
-
-def break_arguments(env: Environment, call: FunctionCall, how: str) -> FunctionCall:
-    """``call`` with arguments of the wrong JSON type: each argument retyped (``how="types"``)
-    or the whole object sent as a JSON string (``how="string"``)."""
-    if how == "string":
-        return msgspec.structs.replace(call, arguments=json.dumps(call.arguments))
-    tool = next((t for t in env.tools if t.name == call.name), None)
-    props = tool.parameters.get("properties", {}) if tool else {}
-    try:
-        args = json.loads(call.arguments)
-    except json.JSONDecodeError:
-        return call
-    if not isinstance(args, dict):
-        return call
-    broken: Any = {}
-    for key, value in args.items():
-        kind = props.get(key, {}).get("type")
-        broken[key] = _RETYPE[kind](value) if kind in _RETYPE else value
-    if broken == args:
-        broken = [args]  # nothing to retype: an array where an object is required
-    return msgspec.structs.replace(call, arguments=json.dumps(broken))
-
-
-def break_tool_calls(env: Environment, agent: Agent, how: str) -> Agent:
-    def cheat(task: Task, items: list[Item], state: Any) -> Item:
-        item = agent(task, items, state)
-        return break_arguments(env, item, how) if isinstance(item, FunctionCall) else item
-
-    return cheat
+_Played = tuple[Trajectory, Verdict]
 
 
 # ---------------------------------------------------------------- the report
@@ -273,30 +118,48 @@ class _Audit:
         }
 
     def run_task(self, index: int) -> None:
-        env, checks = self.env, self.checks
+        """The checks on task ``index``, in order: each needs what the one before it played."""
+        task = self._generate(index)
+        if task is None:
+            return
+        ref = self._reference(task)
+        if ref is None:
+            return
+        wrong = self._wrong(task)
+        if wrong is None:
+            return
+        played = [ref, wrong, *self._cheats(task, ref, wrong)]
+        for trajectory, verdict in played:
+            self._determinism(task, trajectory, verdict)
+
+    def _generate(self, index: int) -> Task | None:
+        env, check = self.env, self.checks["generate"]
         try:
             task = make_task(env, self.seed, index)
             same = encode(make_task(env, self.seed, index)) == encode(task)
         except Exception as e:
             tid = f"{env.name}-{self.seed}-{index}:0"
-            checks["generate"].add(
+            check.add(
                 Finding(task_id=tid, case="generate", reward=None, detail=_error(e)), 0.0, True
             )
-            return
+            return None
         detail = "" if same else "the same seed and index gave a different task"
-        checks["generate"].add(
+        check.add(
             Finding(task_id=task.task_id, case="generate", reward=None, detail=detail),
             0.0,
             not same,
         )
+        return task
 
-        ref = self._episode(task, "reference", env.reference, checks["reference"])
+    def _reference(self, task: Task) -> _Played | None:
+        env, check = self.env, self.checks["reference"]
+        ref = self._episode(task, "reference", env.reference, check)
         if ref is None:
-            return
+            return None
         r = ref[1].reward
-        failed = ref[0].status != "completed" or abs(r - env.max_reward) > EPS
+        failed = ref[0].status != "completed" or abs(r - env.max_reward) > _EPS
         detail = f"status {ref[0].status}; {ref[1].details}"
-        checks["reference"].add(
+        check.add(
             Finding(
                 task_id=task.task_id,
                 case="reference",
@@ -307,12 +170,15 @@ class _Audit:
             env.max_reward - r,
             failed,
         )
+        return ref
 
-        wrong = self._episode(task, "wrong", env.wrong, checks["wrong"])
+    def _wrong(self, task: Task) -> _Played | None:
+        env, check = self.env, self.checks["wrong"]
+        wrong = self._episode(task, "wrong", env.wrong, check)
         if wrong is None:
-            return
+            return None
         w = wrong[1].reward
-        checks["wrong"].add(
+        check.add(
             Finding(
                 task_id=task.task_id,
                 case="wrong",
@@ -321,10 +187,13 @@ class _Audit:
                 detail=str(wrong[1].details),
             ),
             w,
-            w >= env.max_reward - EPS,
+            w >= env.max_reward - _EPS,
         )
+        return wrong
 
-        played = [ref, wrong]
+    def _cheats(self, task: Task, ref: _Played, wrong: _Played) -> list[_Played]:
+        """Each cheat held to the wrong agent's reward ``w``; returns what was played."""
+        env, check, w = self.env, self.checks["cheats"], wrong[1].reward
         cheats: dict[str, Agent] = {
             f"text:{name}": swap_messages(env.wrong, text)
             for name, text in cheat_texts(task, final_text(ref[0]), final_text(wrong[0])).items()
@@ -332,25 +201,22 @@ class _Audit:
         if any(isinstance(i, FunctionCall) for i in ref[0].items):
             for how in ("types", "string"):
                 cheats[f"tool_args:{how}"] = break_tool_calls(env, env.reference, how)
+        played = []
         for case, agent in cheats.items():
-            got = self._episode(task, case, agent, checks["cheats"])
+            got = self._episode(task, case, agent, check)
             if got is None:
                 continue
             c = got[1].reward
             detail = str(got[1].details)[:300]
-            checks["cheats"].add(
+            check.add(
                 Finding(task_id=task.task_id, case=case, reward=c, limit=w, detail=detail),
                 c - w,
-                c > w + EPS,
+                c > w + _EPS,
             )
             played.append(got)
+        return played
 
-        for trajectory, verdict in played:
-            self._determinism(task, trajectory, verdict)
-
-    def _episode(
-        self, task: Task, case: str, agent: Agent, check: _Check
-    ) -> tuple[Trajectory, Verdict] | None:
+    def _episode(self, task: Task, case: str, agent: Agent, check: _Check) -> _Played | None:
         """Play and verify; a crash or a non-finite reward is a failure of ``check``."""
         try:
             trajectory = play(self.env, task, agent, self.max_turns)
@@ -422,27 +288,3 @@ def run_audit(
         passed=all(c.passed for c in checks),
         seconds=round(time.perf_counter() - start, 3),
     )
-
-
-def format_report(report: AuditReport) -> str:
-    verdict = "PASS" if report.passed else "FAIL"
-    lines = [
-        f"audit {report.env} v{report.env_version} (verifier {report.verifier} "
-        f"v{report.verifier_version}), {report.samples} samples, seed {report.seed}, "
-        f"max reward {report.max_reward:g}: {verdict} in {report.seconds:.2f}s"
-    ]
-    for c in report.checks:
-        status = "PASS" if c.passed else "FAIL"
-        line = f"  {status} {c.name:<12} {c.cases:>5} cases {c.failures:>4} failed"
-        if c.worst is not None:
-            w = c.worst
-            line += f"  worst: {w.task_id} {w.case}"
-            if w.reward is not None or w.detail:
-                reward = "error" if w.reward is None else f"{w.reward:g}"
-                line += f" reward {reward}"
-            if w.limit is not None:
-                line += f" (limit {w.limit:g})"
-            if w.detail:
-                line += f" - {w.detail[:160]}"
-        lines.append(line)
-    return "\n".join(lines)

@@ -15,14 +15,9 @@ import pytest
 import streamrl.policy.hf as hf
 from streamrl.bus.keys import Keys
 from streamrl.envs import make_env
-from streamrl.evaluation.heldout import (
-    EvalError,
-    bootstrap_ci,
-    evaluate,
-    heldout_prompts,
-    ks_for,
-    pass_at_k,
-)
+from streamrl.evaluation.estimators import bootstrap_ci, ks_for, pass_at_k
+from streamrl.evaluation.heldout import EvalError, evaluate, heldout_prompts
+from streamrl.evaluation.spec import EvalSpec
 from streamrl.models.tiny import save_tiny
 from streamrl.producer.produce import Producer
 from streamrl.schema import TASK
@@ -126,16 +121,16 @@ def test_evaluate_reports_what_the_samples_scored(tiny_dir, monkeypatch):
         seen.setdefault(task.prompt_id, []).append(verdict.reward)
 
     threshold = 1 / 3  # one word of three: a random model passes sometimes
-    report = evaluate(
-        "copy",
-        str(tiny_dir),
+    spec = EvalSpec(
+        env="copy",
+        model=str(tiny_dir),
         prompts=6,
         k=4,
         max_new_tokens=6,
         pass_reward=threshold,
         train_prompts=500,
-        on_sample=on_sample,
     )
+    report = evaluate(spec, on_sample=on_sample)
     assert max(batches) > 1  # concurrent episodes share generate calls
     assert sum(batches) == report.samples == 24
     assert report.prompts == 6 and report.k == 4 and len(seen) == 6
@@ -161,14 +156,17 @@ def test_weights_are_a_published_policy_version(tiny_dir, tmp_path):
 
     def run(name, model, weights=None):
         got = tokens.setdefault(name, [])
-        return evaluate(
-            "copy",
-            str(model),
+        spec = EvalSpec(
+            env="copy",
+            model=str(model),
             weights=weights,
             prompts=2,
             k=2,
             max_new_tokens=6,
             train_prompts=0,
+        )
+        return evaluate(
+            spec,
             on_sample=lambda task, traj, verdict: got.append(
                 (task.task_id, traj.turns[0].token_ids)
             ),
@@ -181,7 +179,7 @@ def test_weights_are_a_published_policy_version(tiny_dir, tmp_path):
     assert sorted(tokens["loaded"]) == sorted(tokens["direct"])
     assert sorted(tokens["loaded"]) != sorted(tokens["base"])
     with pytest.raises(EvalError, match="not a policy version"):
-        evaluate("copy", str(tiny_dir), weights=str(tmp_path), prompts=1, k=1)
+        evaluate(EvalSpec(env="copy", model=str(tiny_dir), weights=str(tmp_path), prompts=1, k=1))
 
 
 # ---------------------------------------------------------------- the command
