@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import tenacity
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 
 def httpx_api() -> Any:
@@ -63,10 +63,10 @@ class RetryPolicy:
 
     def call(
         self,
-        attempt: Callable[[], T],
+        attempt: Callable[[], _T],
         give_up: Callable[[BaseException], BaseException],
         on_failure: Callable[[int, BaseException], None] | None = None,
-    ) -> T:
+    ) -> _T:
         """``attempt()`` until it returns, raises an error not in ``retry_on``, or the tries
         run out (then ``give_up(last error)`` is raised). ``on_failure(index, error)`` sees
         every failed attempt, the last one too (``index`` counts from 0)."""
@@ -74,10 +74,10 @@ class RetryPolicy:
 
     async def acall(
         self,
-        attempt: Callable[[], Awaitable[T]],
+        attempt: Callable[[], Awaitable[_T]],
         give_up: Callable[[BaseException], BaseException],
         on_failure: Callable[[int, BaseException], None] | None = None,
-    ) -> T:
+    ) -> _T:
         """``call`` for a coroutine function; the waits are ``asyncio.sleep``."""
         return await tenacity.AsyncRetrying(**self._tenacity(give_up, on_failure))(attempt)
 

@@ -29,7 +29,7 @@ class Answer(NamedTuple):
     parsed: Any
 
 
-class Malformed(Exception):
+class _Malformed(Exception):
     pass
 
 
@@ -69,27 +69,27 @@ def _cookie_header(jar: dict[str, str]) -> dict[str, str]:
     return {"cookie": "; ".join(f"{k}={v}" for k, v in jar.items())} if jar else {}
 
 
-def json_object(body: bytes, what: str) -> dict[str, Any]:
+def _json_object(body: bytes, what: str) -> dict[str, Any]:
     try:
         value = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise Malformed(f"{what} is not JSON ({e})") from None
+        raise _Malformed(f"{what} is not JSON ({e})") from None
     if not isinstance(value, dict):
-        raise Malformed(f"{what} is not a JSON object but {type(value).__name__}")
+        raise _Malformed(f"{what} is not a JSON object but {type(value).__name__}")
     return value
 
 
 def seed_answer(body: bytes) -> dict[str, Any]:
-    return json_object(body, "the /seed_session answer")
+    return _json_object(body, "the /seed_session answer")
 
 
 def verify_answer(body: bytes) -> dict[str, Any]:
-    answer = json_object(body, "the /verify answer")
+    answer = _json_object(body, "the /verify answer")
     reward = answer.get("reward")
     if isinstance(reward, bool) or not isinstance(reward, int | float):
-        raise Malformed(f"the /verify answer has no numeric reward (reward={reward!r})")
+        raise _Malformed(f"the /verify answer has no numeric reward (reward={reward!r})")
     if not math.isfinite(reward):
-        raise Malformed(f"the /verify answer's reward is not finite ({reward!r})")
+        raise _Malformed(f"the /verify answer's reward is not finite ({reward!r})")
     return answer
 
 
@@ -197,7 +197,7 @@ class ResourcesServer:
             )
         try:
             parsed = parse(resp.content) if parse is not None else None
-        except Malformed as e:
+        except _Malformed as e:
             raise Retryable(
                 f"malformed answer from POST {path} (HTTP {status}): {e}: {snippet(resp.content)}"
             ) from None
