@@ -26,7 +26,8 @@ mistake (an unknown argument, a bad value): its body goes back to the model as t
 output, as NeMo Gym's agent does. A 4xx from ``/seed_session`` or ``/verify`` means the request
 itself is wrong for this server: no retry, a failure with the server's message. A ``/verify``
 answer with ``mask_sample: true`` (NeMo Gym's way of saying its reward is not a valid
-measurement, e.g. a judge was down) is a failure too.
+measurement, e.g. a judge was down) is a failure too. (The HTTP client is
+``_nemo_gym_http``; its retries are ``streamrl.http.RetryPolicy``.)
 
 The Score keeps the whole ``/verify`` answer in ``info`` except ``responses_create_params`` and
 ``response``, which are the request echoed back (``BaseVerifyResponse`` extends the request) and
