@@ -26,7 +26,8 @@ mistake (an unknown argument, a bad value): its body goes back to the model as t
 output, as NeMo Gym's agent does. A 4xx from ``/seed_session`` or ``/verify`` means the request
 itself is wrong for this server: no retry, a failure with the server's message. A ``/verify``
 answer with ``mask_sample: true`` (NeMo Gym's way of saying its reward is not a valid
-measurement, e.g. a judge was down) is a failure too.
+measurement, e.g. a judge was down) is a failure too. (The HTTP client is
+``_nemo_gym_http``; its retries are ``streamrl.http.RetryPolicy``.)
 
 The Score keeps the whole ``/verify`` answer in ``info`` except ``responses_create_params`` and
 ``response``, which are the request echoed back (``BaseVerifyResponse`` extends the request) and
@@ -46,21 +47,23 @@ Gym JSONL file that the generator cycles through, for ``produce --count`` and co
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import math
 import random
 import time
 import urllib.parse
-from email.utils import parsedate_to_datetime
-from http.cookiejar import CookieJar, DefaultCookiePolicy
-from http.cookies import CookieError, SimpleCookie
-from typing import Annotated, Any, NamedTuple
+from typing import Annotated, Any
 
 import msgspec
 
 from streamrl.defaults import NEMO_GYM_BODY_SNIPPET, NEMO_GYM_REFERENCE_FIELD
+from streamrl.envs._nemo_gym_http import (
+    Answer,
+    ResourcesServer,
+    merge_cookies,
+    seed_answer,
+    snippet,
+    verify_answer,
+)
 from streamrl.envs.base import (
     Environment,
     EnvUnavailable,
@@ -69,6 +72,7 @@ from streamrl.envs.base import (
     StepResult,
     Verdict,
 )
+from streamrl.http import RetryPolicy
 from streamrl.responses import input_json, items_from_json, response_json, tools_from_json
 from streamrl.schema import (
     FunctionCall,
@@ -80,11 +84,12 @@ from streamrl.schema import (
     Trajectory,
 )
 
-RETRY_STATUS = frozenset({408, 425, 429})
+__all__ = ["NemoGymEnv", "NemoGymState", "merge_cookies", "verdict_from_answer"]
+
 # row fields that are streamrl's own and never reach the server
-PRIVATE_FIELDS = frozenset({NEMO_GYM_REFERENCE_FIELD})
+_PRIVATE_FIELDS = frozenset({NEMO_GYM_REFERENCE_FIELD})
 # the request, echoed back in every /verify answer (BaseVerifyResponse extends the request)
-ECHOED_FIELDS = frozenset({"responses_create_params", "response"})
+_ECHOED_FIELDS = frozenset({"responses_create_params", "response"})
 
 
 class NemoGymState(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -93,73 +98,6 @@ class NemoGymState(msgspec.Struct, kw_only=True, omit_defaults=True):
     seeded: bool = False
     cookies: dict[str, str] = msgspec.field(default_factory=dict)  # the session's cookie jar
     seed_response: Any = None  # what /seed_session answered
-
-
-class _Answer(NamedTuple):
-    status: int
-    body: bytes
-    cookies: dict[str, str]
-    parsed: Any
-
-
-class _Malformed(Exception):
-    pass
-
-
-def snippet(body: bytes | str) -> str:
-    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
-    text = " ".join(text.split())
-    n = NEMO_GYM_BODY_SNIPPET
-    return text if len(text) <= n else text[:n] + "..."
-
-
-def merge_cookies(jar: dict[str, str], set_cookie: list[str]) -> dict[str, str]:
-    """The jar after a response's ``Set-Cookie`` headers (one host, so name -> value; a cookie
-    that expires now, as Starlette clears an emptied session, is removed)."""
-    if not set_cookie:
-        return jar
-    jar = dict(jar)
-    for header in set_cookie:
-        parsed = SimpleCookie()
-        try:
-            parsed.load(header)
-        except CookieError:
-            continue
-        for name, morsel in parsed.items():
-            expired = morsel["max-age"] in ("0", "-1")
-            if morsel["expires"]:
-                with contextlib.suppress(TypeError, ValueError):
-                    when = parsedate_to_datetime(morsel["expires"]).timestamp()
-                    expired = expired or when <= time.time()
-            if expired:
-                jar.pop(name, None)
-            else:
-                jar[name] = morsel.value
-    return jar
-
-
-def _cookie_header(jar: dict[str, str]) -> dict[str, str]:
-    return {"cookie": "; ".join(f"{k}={v}" for k, v in jar.items())} if jar else {}
-
-
-def _json_object(body: bytes, what: str) -> dict[str, Any]:
-    try:
-        value = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise _Malformed(f"{what} is not JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise _Malformed(f"{what} is not a JSON object but {type(value).__name__}")
-    return value
-
-
-def _verify_answer(body: bytes) -> dict[str, Any]:
-    answer = _json_object(body, "the /verify answer")
-    reward = answer.get("reward")
-    if isinstance(reward, bool) or not isinstance(reward, int | float):
-        raise _Malformed(f"the /verify answer has no numeric reward (reward={reward!r})")
-    if not math.isfinite(reward):
-        raise _Malformed(f"the /verify answer's reward is not finite ({reward!r})")
-    return answer
 
 
 class NemoGymEnv(Environment[NemoGymState]):
@@ -191,9 +129,14 @@ class NemoGymEnv(Environment[NemoGymState]):
                 "--env-option base_url=http://127.0.0.1:8000"
             )
         self.base_url = url
-        self._aclient: Any = None
-        self._aclient_loop: Any = None
-        self._client: Any = None
+        o = self.options
+        self._server = ResourcesServer(
+            url,
+            RetryPolicy(o["retries"] + 1, o["backoff_s"], o["backoff_max_s"]),
+            timeout_s=o["timeout_s"],
+            connect_timeout_s=o["connect_timeout_s"],
+            max_connections=o["max_connections"],
+        )
         self._rows: list[bytes] | None = None
 
     @property
@@ -212,7 +155,7 @@ class NemoGymEnv(Environment[NemoGymState]):
 
     def row(self, task: Task) -> dict[str, Any]:
         """The NeMo Gym row this task came from, as the server's request models read it."""
-        fields = {k: v for k, v in task.data.items() if k not in PRIVATE_FIELDS}
+        fields = {k: v for k, v in task.data.items() if k not in _PRIVATE_FIELDS}
         params = {**self._params(task), "input": input_json(task.input)}
         return {**fields, "responses_create_params": params}
 
@@ -242,117 +185,8 @@ class NemoGymEnv(Environment[NemoGymState]):
             ) from None
         return Prompt(items, data)
 
-    # ---------------------------------------------------------------- HTTP
-    def _http(self) -> Any:
-        from streamrl.http import httpx_api
-
-        return httpx_api()
-
-    def _client_kwargs(self) -> dict[str, Any]:
-        http = self._http()
-        o = self.options
-        # the client's own jar accepts nothing: every session's cookies travel in its state
-        jar = CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
-        return {
-            "timeout": http.Timeout(o["timeout_s"], connect=o["connect_timeout_s"]),
-            "limits": http.Limits(
-                max_connections=o["max_connections"],
-                max_keepalive_connections=o["max_connections"],
-            ),
-            "cookies": jar,
-            "trust_env": False,  # a resources server is a local service: no proxy
-        }
-
-    def _async_client(self) -> Any:
-        loop = asyncio.get_running_loop()
-        if self._aclient is None or self._aclient_loop is not loop:
-            self._aclient = self._http().AsyncClient(**self._client_kwargs())
-            self._aclient_loop = loop
-        return self._aclient
-
-    def _sync_client(self) -> Any:
-        if self._client is None:
-            self._client = self._http().Client(**self._client_kwargs())
-        return self._client
-
     async def aclose(self) -> None:
-        if self._aclient is not None:
-            client, self._aclient = self._aclient, None
-            await client.aclose()
-
-    def _backoff(self, attempt: int) -> float:
-        o = self.options
-        base = min(o["backoff_max_s"], o["backoff_s"] * 2 ** (attempt - 1))
-        return base * (0.5 + random.random() / 2)
-
-    def _outcome(self, path: str, resp: Any, jar: dict, parse: Any, tool: bool) -> Any:
-        """An _Answer, or a string saying why to try again; raises on a final client error."""
-        status = resp.status_code
-        jar = merge_cookies(jar, resp.headers.get_list("set-cookie"))
-        if status in RETRY_STATUS or status >= 500:
-            return f"HTTP {status} from POST {path}: {snippet(resp.content)}"
-        if 400 <= status < 500:
-            if tool:  # the model's mistake: the body is the tool's error output
-                return _Answer(status, resp.content, jar, None)
-            raise EnvUnavailable(
-                f"HTTP {status} from POST {path} (the server refused the request; not "
-                f"retried): {snippet(resp.content)}"
-            )
-        try:
-            parsed = parse(resp.content) if parse is not None else None
-        except _Malformed as e:
-            return (
-                f"malformed answer from POST {path} (HTTP {status}): {e}: {snippet(resp.content)}"
-            )
-        return _Answer(status, resp.content, jar, parsed)
-
-    def _failure(self, path: str, e: Exception) -> str:
-        http = self._http()
-        if isinstance(e, http.TimeoutException):
-            limit = self.options["timeout_s"]
-            return f"timeout on POST {path} ({type(e).__name__}, timeout_s={limit})"
-        return f"connection error on POST {path}: {type(e).__name__}: {e}"
-
-    def _url(self, path: str) -> str:
-        return self.base_url + path
-
-    async def _apost(
-        self, path: str, body: Any, jar: dict[str, str], parse: Any = None, tool: bool = False
-    ) -> _Answer:
-        http = self._http()
-        client = self._async_client()
-        last = ""
-        for attempt in range(self.options["retries"] + 1):
-            if attempt:
-                await asyncio.sleep(self._backoff(attempt))
-            try:
-                resp = await client.post(self._url(path), json=body, headers=_cookie_header(jar))
-            except http.TransportError as e:  # connect/read errors and timeouts
-                last = self._failure(path, e)
-                continue
-            out = self._outcome(path, resp, jar, parse, tool)
-            if isinstance(out, _Answer):
-                return out
-            last = out
-        raise EnvUnavailable(f"{last} (after {self.options['retries'] + 1} attempts)")
-
-    def _post(self, path: str, body: Any, jar: dict[str, str], parse: Any = None) -> _Answer:
-        http = self._http()
-        client = self._sync_client()
-        last = ""
-        for attempt in range(self.options["retries"] + 1):
-            if attempt:
-                time.sleep(self._backoff(attempt))
-            try:
-                resp = client.post(self._url(path), json=body, headers=_cookie_header(jar))
-            except http.TransportError as e:
-                last = self._failure(path, e)
-                continue
-            out = self._outcome(path, resp, jar, parse, tool=False)
-            if isinstance(out, _Answer):
-                return out
-            last = out
-        raise EnvUnavailable(f"{last} (after {self.options['retries'] + 1} attempts)")
+        await self._server.aclose()
 
     # ---------------------------------------------------------------- the episode
     def reset(self, task: Task) -> NemoGymState:
@@ -361,12 +195,13 @@ class NemoGymEnv(Environment[NemoGymState]):
         self.tools_for(task)  # a row whose tools cannot be read fails here, not mid-episode
         return NemoGymState()
 
-    def _seeded(self, state: NemoGymState, answer: _Answer) -> NemoGymState:
+    def _seeded(self, state: NemoGymState, answer: Answer) -> NemoGymState:
         return NemoGymState(seeded=True, cookies=answer.cookies, seed_response=answer.parsed)
 
     async def _aseed(self, task: Task, state: NemoGymState) -> NemoGymState:
-        parse = lambda b: _json_object(b, "the /seed_session answer")  # noqa: E731
-        answer = await self._apost("/seed_session", self.row(task), state.cookies, parse)
+        answer = await self._server.apost(
+            "/seed_session", self.row(task), state.cookies, seed_answer
+        )
         return self._seeded(state, answer)
 
     async def areset(self, task: Task) -> NemoGymState:
@@ -384,7 +219,7 @@ class NemoGymEnv(Environment[NemoGymState]):
         except json.JSONDecodeError as e:
             return StepResult(f"error: arguments are not valid JSON: {e}", state)
         path = "/" + urllib.parse.quote(call.name, safe="")
-        answer = await self._apost(path, args, state.cookies, tool=True)
+        answer = await self._server.apost(path, args, state.cookies, tool=True)
         state = NemoGymState(seeded=True, cookies=answer.cookies, seed_response=state.seed_response)
         return StepResult(answer.body.decode("utf-8", "replace"), state)
 
@@ -407,10 +242,10 @@ class NemoGymEnv(Environment[NemoGymState]):
     def verify(self, task: Task, trajectory: Trajectory, state: NemoGymState) -> Verdict:
         """Not pure, unlike other verifiers: the resources server holds the state it scores."""
         if not state.seeded:  # an episode driven without the async path and with no tool call
-            parse = lambda b: _json_object(b, "the /seed_session answer")  # noqa: E731
-            state = self._seeded(state, self._post("/seed_session", self.row(task), {}, parse))
+            seeded = self._server.post("/seed_session", self.row(task), {}, seed_answer)
+            state = self._seeded(state, seeded)
         body = self.verify_request(task, trajectory)
-        answer = self._post("/verify", body, state.cookies, _verify_answer).parsed
+        answer = self._server.post("/verify", body, state.cookies, verify_answer).parsed
         return verdict_from_answer(answer)
 
     # ---------------------------------------------------------------- scripted reference
@@ -448,7 +283,7 @@ def verdict_from_answer(answer: dict[str, Any]) -> Verdict:
     details: dict[str, str] = {}
     info: dict[str, Any] = {}
     for key, value in answer.items():
-        if key == "reward" or key in ECHOED_FIELDS:
+        if key == "reward" or key in _ECHOED_FIELDS:
             continue
         info[key] = value
         if isinstance(value, int | float) and not isinstance(value, bool):

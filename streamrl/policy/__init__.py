@@ -9,7 +9,7 @@ from streamrl.config import Backend, PolicyConfig
 from streamrl.envs.base import Environment
 from streamrl.policy.base import Policy, PolicyError, PolicyRequest
 
-BACKENDS = get_args(Backend)
+_BACKENDS = get_args(Backend)
 
 
 def make_policy(config: PolicyConfig, env: Environment, **kw: Any) -> Policy:
@@ -28,7 +28,7 @@ def make_policy(config: PolicyConfig, env: Environment, **kw: Any) -> Policy:
         from streamrl.policy.openai import OpenAIPolicy
 
         return OpenAIPolicy(config, env, **kw)
-    raise ValueError(f"unknown policy backend {config.backend!r} (known: {', '.join(BACKENDS)})")
+    raise ValueError(f"unknown policy backend {config.backend!r} (known: {', '.join(_BACKENDS)})")
 
 
 def check_policy(config: PolicyConfig) -> None:

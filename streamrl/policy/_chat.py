@@ -23,8 +23,8 @@ from typing import Any
 
 from streamrl.schema import FunctionCall, FunctionCallOutput, FunctionTool, Item, Message, Reasoning
 
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
+_TOOL_CALL_OPEN = "<tool_call>"
+_TOOL_CALL_CLOSE = "</tool_call>"
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 _THINK = re.compile(r"^\s*<think>(.*?)</think>", re.DOTALL)
 _NAME = re.compile(r'"name"\s*:\s*"([^"]*)"')
@@ -96,7 +96,7 @@ def call_id(turn: int, index: int) -> str:
     return f"call_{turn}_{index}"
 
 
-def parse_tool_call(raw: str, cid: str) -> FunctionCall:
+def _parse_tool_call(raw: str, cid: str) -> FunctionCall:
     """One ``<tool_call>`` body -> FunctionCall; anything malformed keeps the raw text as
     ``arguments`` so the environment's argument validation answers the model."""
     body = raw.strip()
@@ -126,7 +126,7 @@ def parse_completion(text: str, turn: int) -> list[Item]:
         items.append(Reasoning(content=m.group(1).strip()))
         text = text[m.end() :]
     calls = [
-        parse_tool_call(body, call_id(turn, i)) for i, body in enumerate(_TOOL_CALL.findall(text))
+        _parse_tool_call(body, call_id(turn, i)) for i, body in enumerate(_TOOL_CALL.findall(text))
     ]
     rest = _TOOL_CALL.sub("", text).strip()
     if rest or not calls:

@@ -1,30 +1,12 @@
 """``openai``: any OpenAI-compatible chat server, vLLM first.
 
-Requests. Every turn is one ``POST /v1/chat/completions`` (the server renders the chat
-template, so this backend needs no tokenizer and no torch). Besides the OpenAI fields it sends
-vLLM's extensions (checked against vLLM's ``ChatCompletionRequest``/``ChatCompletionResponse``
-in ``vllm/entrypoints/openai/chat_completion/protocol.py`` on vLLM's main branch, read through
-a code index, not against a running release; ``return_token_ids`` is a 0.10-era addition):
-
-- ``logprobs: true, top_logprobs: 0`` -> ``choices[0].logprobs.content[i].logprob``;
-- ``return_token_ids: true`` -> ``prompt_token_ids`` (top level) and ``choices[0].token_ids``;
-- ``return_tokens_as_token_ids: true`` -> each logprob entry's ``token`` is ``"token_id:N"``,
-  our fallback for the ids on servers that predate ``return_token_ids``;
-- ``skip_special_tokens: false`` so a stray ``<bos>`` stays in the text;
-- ``top_k: -1, min_p: 0, repetition_penalty: 1, top_p: 1`` so the model's
-  ``generation_config.json`` defaults cannot reshape the distribution, and a per-request
-  ``seed`` from task id + turn.
+Requests and responses (vLLM's extensions for token ids and behaviour log-probs, tool calls)
+are in ``_openai_wire``.
 
 Behaviour log-probs: start vLLM with ``--logprobs-mode processed_logprobs`` (0.10-era flag).
 Its default (``raw_logprobs``) reports the model's log-probs *before* temperature, which are
 not the probabilities the tokens were sampled with; the learner's importance weights need the
 sampling distribution, which is what the ``hf`` backend records too.
-
-Tool calls are parsed by us from the raw text (``<tool_call>`` JSON, see ``_chat``) with
-``tool_choice: "none"``, which still renders the tools into the prompt. A malformed call thus
-reaches the environment as a ``FunctionCall`` with the raw text as arguments. If the server
-is started with its own tool parser and ``tool_choice`` is set to ``auto`` (option), parsed
-``message.tool_calls`` are used as well.
 
 Which policy version answered, in order:
 1. the response's ``model`` is a LoRA adapter named ``<lora_prefix>-v<N>`` -> N (exact:
@@ -49,18 +31,17 @@ stream; one client at a time per server (a Redis lock), the others just adopt th
   which runs ``streamrl.policy.vllm_ext.WeightLoader`` in every vLLM worker (start vLLM with
   ``VLLM_SERVER_DEV_MODE=1 --worker-extension-cls streamrl.policy.vllm_ext.WeightLoader``;
   ``/collective_rpc`` is a dev-mode endpoint of recent releases), ``POST /reset_prefix_cache``
-  (cached KV was
-  computed by the old weights), ``POST /resume``. Option ``weights_method: reload_weights``
-  instead calls vLLM's own ``reload_weights`` with ``kwargs {"weights_path": dir}`` on releases
-  whose workers accept it.
+  (cached KV was computed by the old weights), ``POST /resume``. Option
+  ``weights_method: reload_weights`` instead calls vLLM's own ``reload_weights`` with
+  ``kwargs {"weights_path": dir}`` on releases whose workers accept it.
 - ``none`` (default): never writes to the server; only reads the served-version hash.
 
 Failures: connection errors, timeouts, 408/429/5xx and unparseable bodies are retried with
-exponential backoff and jitter; when retries run out, or on any other 4xx, ``PolicyError``
-(the episode stays pending and is retried; it is never scored). The HTTP client is an
-``httpx``-API ``AsyncClient`` with one connection pool shared by all episodes. A failed
-server update (or served-version read) keeps the old version, is retried every
-``reload_check_s``, and is reported as ``reload_error`` until a later sync succeeds.
+exponential backoff and jitter (``streamrl.http.RetryPolicy``); when retries run out, or on
+any other 4xx, ``PolicyError`` (the episode stays pending and is retried; it is never scored).
+The HTTP client is an ``httpx``-API ``AsyncClient`` with one connection pool shared by all
+episodes. A failed server update (or served-version read) keeps the old version, is retried
+every ``reload_check_s``, and is reported as ``reload_error`` until a later sync succeeds.
 
 Options: ``api_key``, ``timeout_s`` (600), ``connect_timeout_s`` (10), ``max_connections``
 (256), ``retries`` (4), ``backoff_s`` (0.5), ``backoff_max_s`` (8), ``sync``
@@ -74,8 +55,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import random
-import re
 import time
 import uuid
 from typing import Any
@@ -86,32 +65,30 @@ from streamrl.bus.keys import Keys
 from streamrl.config import PolicyConfig
 from streamrl.defaults import DEFAULT_RUN, RELOAD_ERROR_LOG_EVERY_S
 from streamrl.envs.base import Environment
-from streamrl.http import httpx_api
+from streamrl.http import Retryable, RetryPolicy, httpx_api
 from streamrl.log import Repeats
-from streamrl.policy import _chat
+from streamrl.policy._openai_wire import ChatWire
 from streamrl.policy._versions import latest_version
 from streamrl.policy.base import Policy, PolicyError, PolicyRequest
-from streamrl.schema import FunctionCall, Item, Message, ModelTurn, PolicyVersion, Reasoning
+from streamrl.schema import ModelTurn, PolicyVersion
 
 log = structlog.get_logger(__name__)
 
-RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
-VERSION_HEADER = "x-policy-version"
-SYNC_MODES = ("none", "lora", "weights")
-WEIGHTS_METHOD = "streamrl_load_weights"
-LOCK_MS = 300_000
-_TOKEN_ID = re.compile(r"token_id:(\d+)")
+_RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+_SYNC_MODES = ("none", "lora", "weights")
+_WEIGHTS_METHOD = "streamrl_load_weights"
+_LOCK_MS = 300_000
 
 
-class HTTPStatusPolicyError(PolicyError):
-    """A non-retryable HTTP status (or the last retryable one), kept for the caller."""
+class _HTTPStatusPolicyError(PolicyError):
+    """A non-retryable HTTP status, kept for the caller."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
 
 
-def server_root(base_url: str) -> str:
+def _server_root(base_url: str) -> str:
     """``http://host:8000/v1/`` and ``http://host:8000`` both name the server root."""
     root = base_url.rstrip("/")
     return root[: -len("/v1")] if root.endswith("/v1") else root
@@ -133,24 +110,28 @@ class OpenAIPolicy(Policy):
         opts = config.options
         self.config = config
         self.env = env
-        self.root = server_root(config.base_url)
+        self.root = _server_root(config.base_url)
         self.sync = str(opts.get("sync", "none"))
-        if self.sync not in SYNC_MODES:
-            raise ValueError(f"policy.options.sync must be one of {SYNC_MODES}, not {self.sync!r}")
+        if self.sync not in _SYNC_MODES:
+            raise ValueError(f"policy.options.sync must be one of {_SYNC_MODES}, not {self.sync!r}")
         if self.sync != "none" and redis_url is None:
             raise ValueError(f"sync={self.sync!r} needs a Redis URL to watch the policy stream")
-        self.retries = int(opts.get("retries", 4))
-        self.backoff_s = float(opts.get("backoff_s", 0.5))
-        self.backoff_max_s = float(opts.get("backoff_max_s", 8.0))
-        self.lora_prefix = str(opts.get("lora_prefix", "policy"))
+        self._retry = RetryPolicy(
+            tries=int(opts.get("retries", 4)) + 1,
+            backoff_s=float(opts.get("backoff_s", 0.5)),
+            backoff_max_s=float(opts.get("backoff_max_s", 8.0)),
+        )
+        self._wire = ChatWire(
+            config,
+            seed=int(opts.get("seed", 0)),
+            tool_choice=opts.get("tool_choice", "none"),
+            extra_body=dict(opts.get("extra_body", {})),
+            lora_prefix=str(opts.get("lora_prefix", "policy")),
+        )
         self.keep_adapters = max(1, int(opts.get("keep_adapters", 2)))
-        self.weights_method = str(opts.get("weights_method", WEIGHTS_METHOD))
+        self.weights_method = str(opts.get("weights_method", _WEIGHTS_METHOD))
         self.pause_mode = str(opts.get("pause_mode", "wait"))
         self.reload_check_s = float(opts.get("reload_check_s", 1.0))
-        self.seed = int(opts.get("seed", 0))
-        self.tool_choice = opts.get("tool_choice", "none")
-        self.extra_body = dict(opts.get("extra_body", {}))
-        self._lora_name = re.compile(rf"{re.escape(self.lora_prefix)}-v(\d+)")
 
         http = httpx_api()
         api_key = opts.get("api_key") or os.environ.get("OPENAI_API_KEY")
@@ -208,11 +189,11 @@ class OpenAIPolicy(Policy):
         self._idle.clear()
         started = time.perf_counter()
         sent_version = self._version
-        body = self._body(request)
+        body = self._wire.body(request, self._model)
         try:
             try:
                 data, headers = await self._post("/v1/chat/completions", body)
-            except HTTPStatusPolicyError as e:
+            except _HTTPStatusPolicyError as e:
                 # The adapter we named was unloaded meanwhile (another client moved the
                 # server on): ask again under the name now being served.
                 if e.status != 404 or self.sync == "weights":
@@ -226,98 +207,8 @@ class OpenAIPolicy(Policy):
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
-        return self._turn(request, data, headers, sent_version, time.perf_counter() - started)
-
-    def _body(self, request: PolicyRequest) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model": self._model,
-            "messages": _chat.to_messages(request.items),
-            "max_tokens": request.max_new_tokens or self.config.max_new_tokens,
-            "temperature": self.config.temperature,
-            "top_p": 1.0,
-            "top_k": -1,
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
-            "n": 1,
-            "seed": _chat.request_seed(self.seed, request.task.task_id, request.turn),
-            "logprobs": True,
-            "top_logprobs": 0,
-            "return_token_ids": True,
-            "return_tokens_as_token_ids": True,
-            "skip_special_tokens": False,
-        }
-        if request.tools:
-            body["tools"] = _chat.to_tools(request.tools)
-            body["tool_choice"] = self.tool_choice
-        body.update(self.extra_body)
-        return body
-
-    def _turn(
-        self,
-        request: PolicyRequest,
-        data: dict[str, Any],
-        headers: Any,
-        sent_version: int,
-        seconds: float,
-    ) -> ModelTurn:
-        try:
-            choice = data["choices"][0]
-            message = choice.get("message") or {}
-            content = message.get("content") or ""
-            entries = (choice.get("logprobs") or {}).get("content") or []
-            logprobs = [float(e["logprob"]) for e in entries]
-            token_ids = choice.get("token_ids")
-            if token_ids is None:
-                token_ids = [int(_TOKEN_ID.fullmatch(e["token"]).group(1)) for e in entries]
-        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-            raise PolicyError(f"unexpected chat completion response ({e!r}): {data!r:.500}") from e
-        if not token_ids or len(token_ids) != len(logprobs):
-            raise PolicyError(
-                f"the server returned {len(token_ids)} token ids and {len(logprobs)} log-probs; "
-                "it must support logprobs and return_token_ids (a recent vLLM)"
-            )
-        finish = choice.get("finish_reason")
-        if finish == "abort":
-            raise PolicyError("the server aborted the request (weights being swapped?)")
-        return ModelTurn(
-            index=request.turn,
-            items=self._items(message, content, request.turn),
-            prompt_token_ids=list(data.get("prompt_token_ids") or []),
-            token_ids=[int(t) for t in token_ids],
-            logprobs=logprobs,
-            policy_version=self._answered_by(data, headers, sent_version),
-            finish_reason="length" if finish == "length" else "stop",
-            seconds=seconds,
-        )
-
-    def _items(self, message: dict[str, Any], content: str, turn: int) -> list[Item]:
-        items = _chat.parse_completion(content, turn)
-        reasoning = message.get("reasoning") or message.get("reasoning_content")
-        if reasoning and not any(isinstance(i, Reasoning) for i in items):
-            items.insert(0, Reasoning(content=reasoning))
-        server_calls = message.get("tool_calls") or []
-        if server_calls:
-            own = sum(isinstance(i, FunctionCall) for i in items)
-            items = [i for i in items if not (isinstance(i, Message) and not i.content)]
-            for k, call in enumerate(server_calls):
-                fn = call.get("function") or {}
-                items.append(
-                    FunctionCall(
-                        call_id=_chat.call_id(turn, own + k),
-                        name=str(fn.get("name", "")),
-                        arguments=str(fn.get("arguments") or ""),
-                    )
-                )
-        return items
-
-    def _answered_by(self, data: dict[str, Any], headers: Any, sent_version: int) -> int:
-        m = self._lora_name.fullmatch(str(data.get("model", "")))
-        if m:
-            return int(m.group(1))
-        header = headers.get(VERSION_HEADER) if headers is not None else None
-        if header is not None and header.strip().isdigit():
-            return int(header)
-        return sent_version
+        seconds = time.perf_counter() - started
+        return self._wire.turn(request, data, headers, sent_version, seconds)
 
     # ------------------------------------------------------------------ HTTP
 
@@ -332,31 +223,34 @@ class OpenAIPolicy(Policy):
     ) -> tuple[Any, Any]:
         """POST with retries. ``optional``: a 404/405 (endpoint missing on this server
         version) returns ``(None, None)`` instead of failing."""
-        error = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                delay = min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1))
-                await asyncio.sleep(delay * (0.5 + random.random() / 2))
+
+        async def attempt() -> tuple[Any, Any]:
             self.http_attempts += 1
             try:
                 resp = await self._client.post(path, json=body, params=params)
             except self._transport_error as e:
-                error = f"{type(e).__name__}: {e}"
-                continue
+                raise Retryable(f"{type(e).__name__}: {e}") from e
             if resp.status_code < 400:
                 if not expect_json:
                     return resp.text, resp.headers
                 try:
                     return resp.json(), resp.headers
                 except ValueError:
-                    error = f"HTTP {resp.status_code} with a body that is not JSON"
-                    continue
+                    raise Retryable(
+                        f"HTTP {resp.status_code} with a body that is not JSON"
+                    ) from None
             if optional and resp.status_code in (404, 405):
                 return None, None
             error = f"HTTP {resp.status_code}: {resp.text[:500]}"
-            if resp.status_code not in RETRY_STATUS:
-                raise HTTPStatusPolicyError(f"POST {self.root}{path}: {error}", resp.status_code)
-        raise PolicyError(f"POST {self.root}{path} failed {self.retries + 1} times; last: {error}")
+            if resp.status_code not in _RETRY_STATUS:
+                raise _HTTPStatusPolicyError(f"POST {self.root}{path}: {error}", resp.status_code)
+            raise Retryable(error)
+
+        def give_up(last: BaseException) -> PolicyError:
+            tries = self._retry.tries
+            return PolicyError(f"POST {self.root}{path} failed {tries} times; last: {last}")
+
+        return await self._retry.acall(attempt, give_up)
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -411,7 +305,7 @@ class OpenAIPolicy(Policy):
             if latest is not None and latest.version > max(served[0], self._version):
                 token = uuid.uuid4().hex
                 lock = self._served_key + ":lock"
-                if await self._redis.set(lock, token, nx=True, px=LOCK_MS):
+                if await self._redis.set(lock, token, nx=True, px=_LOCK_MS):
                     try:
                         await self.load_version(latest)
                     finally:
@@ -444,7 +338,7 @@ class OpenAIPolicy(Policy):
         )
 
     async def _load_lora(self, pv: PolicyVersion) -> None:
-        name = f"{self.lora_prefix}-v{pv.version}"
+        name = self._wire.adapter(pv.version)
         resp = await self._client.post(
             "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": pv.path}
         )

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-WEIGHTS_FILE = "model.safetensors"
+_WEIGHTS_FILE = "model.safetensors"
 
 
 def iter_safetensors(directory: str | Path) -> Iterator[tuple[str, Any]]:
@@ -33,12 +33,12 @@ def iter_safetensors(directory: str | Path) -> Iterator[tuple[str, Any]]:
 
     directory = Path(directory)
     files = (
-        [directory / WEIGHTS_FILE]
-        if (directory / WEIGHTS_FILE).exists()
+        [directory / _WEIGHTS_FILE]
+        if (directory / _WEIGHTS_FILE).exists()
         else sorted(directory.glob("model-*.safetensors"))
     )
     if not files:
-        raise FileNotFoundError(f"no {WEIGHTS_FILE} in {directory}")
+        raise FileNotFoundError(f"no {_WEIGHTS_FILE} in {directory}")
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping

@@ -32,6 +32,7 @@ from streamrl.bus.trim import forget_idle_consumers, trim_run
 from streamrl.config import RunConfig
 from streamrl.defaults import GROUP_DONE_TTL_S, SCHEMA_VERSION, VERIFY_GROUP, VERIFY_QUEUE
 from streamrl.envs import Environment, make_env
+from streamrl.http import RetryPolicy
 from streamrl.verifiers.deadline import VerifierTimeout, deadline
 from streamrl.workers import leases
 from streamrl.workers.context import consumer_name, control_connection, read_config
@@ -46,41 +47,48 @@ class VerifyFailure(Exception):
 def verify_one(
     env: Environment, traj: schema.Trajectory, timeout_s: float, retries: int
 ) -> schema.Score:
-    """Score a trajectory, or raise VerifyFailure saying why it could not be scored."""
+    """Score a trajectory, or raise VerifyFailure saying why it could not be scored. Any
+    error (a timeout, a crash, a non-finite reward) is worth another attempt, at once."""
     name, version = env.verifier_id
     task = traj.task()
-    last = ""
-    for attempt in range(retries + 1):
-        try:
-            with deadline(timeout_s):
-                state = env.decode_state(traj.state)
-                verdict = env.verify(task, traj, state)
-            reward = float(verdict.reward)
-            if reward != reward or reward in (float("inf"), float("-inf")):
-                raise ValueError(f"verifier returned a non-finite reward {reward}")
-            return schema.Score(
-                task_id=traj.task_id,
-                prompt_id=traj.prompt_id,
-                k=traj.k,
-                reward=reward,
-                components=verdict.components,
-                details=verdict.details,
-                info=verdict.info,
-                verifier=name,
-                verifier_version=version,
-                policy_versions=traj.policy_versions,
-                scored_at=time.time(),
-                env=traj.env,
-            )
-        except VerifierTimeout as e:
-            last = str(e)
-        except Exception as e:
-            last = f"verifier {name} raised {type(e).__name__}: {e}"
-        log.warning("verifier attempt failed", task_id=traj.task_id, attempt=attempt, error=last)
-    raise VerifyFailure(f"{last} (after {retries + 1} attempts)")
+
+    def attempt() -> schema.Score:
+        with deadline(timeout_s):
+            state = env.decode_state(traj.state)
+            verdict = env.verify(task, traj, state)
+        reward = float(verdict.reward)
+        if reward != reward or reward in (float("inf"), float("-inf")):
+            raise ValueError(f"verifier returned a non-finite reward {reward}")
+        return schema.Score(
+            task_id=traj.task_id,
+            prompt_id=traj.prompt_id,
+            k=traj.k,
+            reward=reward,
+            components=verdict.components,
+            details=verdict.details,
+            info=verdict.info,
+            verifier=name,
+            verifier_version=version,
+            policy_versions=traj.policy_versions,
+            scored_at=time.time(),
+            env=traj.env,
+        )
+
+    def why(e: BaseException) -> str:
+        if isinstance(e, VerifierTimeout):
+            return str(e)
+        return f"verifier {name} raised {type(e).__name__}: {e}"
+
+    def failed(index: int, e: BaseException) -> None:
+        log.warning("verifier attempt failed", task_id=traj.task_id, attempt=index, error=why(e))
+
+    def give_up(e: BaseException) -> VerifyFailure:
+        return VerifyFailure(f"{why(e)} (after {retries + 1} attempts)")
+
+    return RetryPolicy(tries=retries + 1, retry_on=(Exception,)).call(attempt, give_up, failed)
 
 
-class VerifyLease:
+class _VerifyLease:
     def __init__(
         self,
         r: redis.Redis,
@@ -275,7 +283,7 @@ def lease(run: str, seconds: float | None = None, shard: int | None = None) -> d
         run,
         VERIFY_QUEUE,
         "verify",
-        lambda conn: VerifyLease(
+        lambda conn: _VerifyLease(
             conn, run, consumer_name(), seconds, control=control_connection(), shard=shard
         ).run(),
         shard=shard,

@@ -5,7 +5,9 @@ resources server is in tests/workers/test_nemo_gym_pipeline.py."""
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
+import threading
 
 import pytest
 
@@ -13,7 +15,7 @@ from streamrl.envs import EnvUnavailable, make_env
 from streamrl.envs.base import OptionError
 from streamrl.envs.nemo_gym import merge_cookies, verdict_from_answer
 from streamrl.responses import row_to_prompt
-from streamrl.schema import FunctionCall, Task
+from streamrl.schema import FunctionCall, Task, Trajectory
 from tests.support.nemo_gym import counter_row, free_port
 
 
@@ -100,3 +102,47 @@ def test_an_unreachable_server_is_unavailable_never_a_tool_output():
 
     with pytest.raises(EnvUnavailable, match=r"connection error on POST /seed_session.*2 attempts"):
         asyncio.run(call())
+
+
+def test_sync_and_async_posts_retry_alike():
+    """The rollout worker (async) and the verifier worker (sync ``verify``) retry a 503 the
+    same number of times, and fail with the same message."""
+    hits: list[str] = []
+
+    class Overloaded(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            hits.append(self.path)
+            self.send_response(503)
+            self.end_headers()
+            self.wfile.write(b"overloaded")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Overloaded)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = make_env("nemo-gym", base_url=f"http://127.0.0.1:{server.server_port}",
+                       retries=2, backoff_s=0.0)  # fmt: skip
+        task = _task(counter_row("t", 0, [1]))
+        traj = Trajectory(task_id=task.task_id, prompt_id=task.prompt_id, k=0, group_size=1,
+                          env="nemo-gym", items=list(task.input), n_input=len(task.input),
+                          turns=[], status="completed")  # fmt: skip
+        expect = r"HTTP 503 from POST /seed_session: overloaded \(after 3 attempts\)"
+        with pytest.raises(EnvUnavailable, match=expect):
+            env.verify(task, traj, env.reset(task))
+        assert hits == ["/seed_session"] * 3
+        hits.clear()
+
+        async def seed():
+            try:
+                return await env.areset(task)
+            finally:
+                await env.aclose()
+
+        with pytest.raises(EnvUnavailable, match=expect):
+            asyncio.run(seed())
+        assert hits == ["/seed_session"] * 3
+    finally:
+        server.shutdown()
+        server.server_close()

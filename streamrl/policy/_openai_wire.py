@@ -1,0 +1,147 @@
+"""What the ``openai`` backend sends and how it reads the answer: one chat completion request
+per turn, and the ``ModelTurn`` read back from vLLM's response.
+
+Requests. Every turn is one ``POST /v1/chat/completions`` (the server renders the chat
+template, so this backend needs no tokenizer and no torch). Besides the OpenAI fields it sends
+vLLM's extensions (checked against vLLM's ``ChatCompletionRequest``/``ChatCompletionResponse``
+in ``vllm/entrypoints/openai/chat_completion/protocol.py`` on vLLM's main branch, read through
+a code index, not against a running release; ``return_token_ids`` is a 0.10-era addition):
+
+- ``logprobs: true, top_logprobs: 0`` -> ``choices[0].logprobs.content[i].logprob``;
+- ``return_token_ids: true`` -> ``prompt_token_ids`` (top level) and ``choices[0].token_ids``;
+- ``return_tokens_as_token_ids: true`` -> each logprob entry's ``token`` is ``"token_id:N"``,
+  our fallback for the ids on servers that predate ``return_token_ids``;
+- ``skip_special_tokens: false`` so a stray ``<bos>`` stays in the text;
+- ``top_k: -1, min_p: 0, repetition_penalty: 1, top_p: 1`` so the model's
+  ``generation_config.json`` defaults cannot reshape the distribution, and a per-request
+  ``seed`` from task id + turn.
+
+Tool calls are parsed by us from the raw text (``<tool_call>`` JSON, see ``_chat``) with
+``tool_choice: "none"``, which still renders the tools into the prompt. A malformed call thus
+reaches the environment as a ``FunctionCall`` with the raw text as arguments. If the server
+is started with its own tool parser and ``tool_choice`` is set to ``auto`` (option), parsed
+``message.tool_calls`` are used as well.
+
+Which policy version answered: see ``openai``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from streamrl.config import PolicyConfig
+from streamrl.policy import _chat
+from streamrl.policy.base import PolicyError, PolicyRequest
+from streamrl.schema import FunctionCall, Item, Message, ModelTurn, Reasoning
+
+_VERSION_HEADER = "x-policy-version"
+_TOKEN_ID = re.compile(r"token_id:(\d+)")
+
+
+@dataclass(frozen=True)
+class ChatWire:
+    """The request body and response parsing of one client (its options fixed at start)."""
+
+    config: PolicyConfig
+    seed: int = 0
+    tool_choice: Any = "none"
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    lora_prefix: str = "policy"
+
+    def body(self, request: PolicyRequest, model: str) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": _chat.to_messages(request.items),
+            "max_tokens": request.max_new_tokens or self.config.max_new_tokens,
+            "temperature": self.config.temperature,
+            "top_p": 1.0,
+            "top_k": -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "n": 1,
+            "seed": _chat.request_seed(self.seed, request.task.task_id, request.turn),
+            "logprobs": True,
+            "top_logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        if request.tools:
+            body["tools"] = _chat.to_tools(request.tools)
+            body["tool_choice"] = self.tool_choice
+        body.update(self.extra_body)
+        return body
+
+    def turn(
+        self,
+        request: PolicyRequest,
+        data: dict[str, Any],
+        headers: Any,
+        sent_version: int,
+        seconds: float,
+    ) -> ModelTurn:
+        try:
+            choice = data["choices"][0]
+            message = choice.get("message") or {}
+            content = message.get("content") or ""
+            entries = (choice.get("logprobs") or {}).get("content") or []
+            logprobs = [float(e["logprob"]) for e in entries]
+            token_ids = choice.get("token_ids")
+            if token_ids is None:
+                token_ids = [int(_TOKEN_ID.fullmatch(e["token"]).group(1)) for e in entries]
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            raise PolicyError(f"unexpected chat completion response ({e!r}): {data!r:.500}") from e
+        if not token_ids or len(token_ids) != len(logprobs):
+            raise PolicyError(
+                f"the server returned {len(token_ids)} token ids and {len(logprobs)} log-probs; "
+                "it must support logprobs and return_token_ids (a recent vLLM)"
+            )
+        finish = choice.get("finish_reason")
+        if finish == "abort":
+            raise PolicyError("the server aborted the request (weights being swapped?)")
+        return ModelTurn(
+            index=request.turn,
+            items=_items(message, content, request.turn),
+            prompt_token_ids=list(data.get("prompt_token_ids") or []),
+            token_ids=[int(t) for t in token_ids],
+            logprobs=logprobs,
+            policy_version=self._answered_by(data, headers, sent_version),
+            finish_reason="length" if finish == "length" else "stop",
+            seconds=seconds,
+        )
+
+    def adapter(self, version: int) -> str:
+        """The name a LoRA version is loaded under (and answers with)."""
+        return f"{self.lora_prefix}-v{version}"
+
+    def _answered_by(self, data: dict[str, Any], headers: Any, sent_version: int) -> int:
+        m = re.fullmatch(rf"{re.escape(self.lora_prefix)}-v(\d+)", str(data.get("model", "")))
+        if m:
+            return int(m.group(1))
+        header = headers.get(_VERSION_HEADER) if headers is not None else None
+        if header is not None and header.strip().isdigit():
+            return int(header)
+        return sent_version
+
+
+def _items(message: dict[str, Any], content: str, turn: int) -> list[Item]:
+    items = _chat.parse_completion(content, turn)
+    reasoning = message.get("reasoning") or message.get("reasoning_content")
+    if reasoning and not any(isinstance(i, Reasoning) for i in items):
+        items.insert(0, Reasoning(content=reasoning))
+    server_calls = message.get("tool_calls") or []
+    if server_calls:
+        own = sum(isinstance(i, FunctionCall) for i in items)
+        items = [i for i in items if not (isinstance(i, Message) and not i.content)]
+        for k, call in enumerate(server_calls):
+            fn = call.get("function") or {}
+            items.append(
+                FunctionCall(
+                    call_id=_chat.call_id(turn, own + k),
+                    name=str(fn.get("name", "")),
+                    arguments=str(fn.get("arguments") or ""),
+                )
+            )
+    return items

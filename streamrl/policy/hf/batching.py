@@ -1,0 +1,258 @@
+"""``HFPolicy``: requests from many episodes, answered in micro-batches.
+
+The rollout worker runs many episodes as coroutines, each awaiting ``respond``. Requests that
+arrive while the model is idle (in the same event-loop tick) or while a batch is generating
+are queued, and the next batch takes up to ``max_batch`` of them into **one** decode call,
+which runs in a thread (``asyncio.to_thread``) so the event loop, and with it tool calls,
+heartbeats and Redis I/O, keeps running. Only one batch runs at a time, and weights change
+only between batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from streamrl.bus.keys import Keys
+from streamrl.config import PolicyConfig
+from streamrl.defaults import DEFAULT_RUN
+from streamrl.envs.base import Environment
+from streamrl.models.local import require_model_dir
+from streamrl.policy import _chat
+from streamrl.policy.base import Policy, PolicyError, PolicyRequest
+from streamrl.policy.hf.decode import Decoder, Sampler, uniforms
+from streamrl.policy.hf.weights import ServedWeights, VersionWatch
+from streamrl.schema import ModelTurn, PolicyVersion
+
+_RENDER_CACHE_SIZE = 4096
+_RENDER_KEY = msgspec.msgpack.Encoder()
+
+_DEFAULT_MAX_BATCH = 32
+_DEFAULT_RELOAD_CHECK_S = 1.0
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+_DTYPES |= {"float16": "float16", "fp16": "float16", "half": "float16"}
+
+
+@dataclass
+class _Pending:
+    request: PolicyRequest
+    future: asyncio.Future[ModelTurn]
+    prompt_ids: list[int] = field(default_factory=list)
+
+
+class HFPolicy(Policy):
+    name = "hf"
+
+    def __init__(
+        self,
+        config: PolicyConfig,
+        env: Environment | None = None,
+        *,
+        redis_url: str | None = None,
+        run: str = DEFAULT_RUN,
+    ) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        require_model_dir(config.model, "policy.model")
+        self.config = config
+        self.env = env
+        opts = config.options
+        self.max_batch = int(opts.get("max_batch", _DEFAULT_MAX_BATCH))
+        self.seed = int(opts.get("seed", 0))
+        # "loop": streamrl's own decode loop (each distinct prompt prefilled once);
+        # "generate": transformers' generate (what any architecture supports)
+        self.decode = str(opts.get("decode", "loop"))
+        if self.decode not in ("loop", "generate"):
+            raise ValueError(f"policy option decode must be loop or generate, not {self.decode!r}")
+        self.device = _device(str(opts.get("device", "auto")))
+        dtype = str(opts.get("dtype", "auto"))
+        torch_dtype: Any = "auto" if dtype == "auto" else getattr(torch, _DTYPES[dtype])
+        trust = bool(opts.get("trust_remote_code", False))
+
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model, trust_remote_code=trust)
+        self.tokenizer.padding_side = "left"
+        model = AutoModelForCausalLM.from_pretrained(
+            config.model, dtype=torch_dtype, trust_remote_code=trust
+        ).to(self.device)
+        model.eval()
+        self._decoder = Decoder.of(model, self.tokenizer)
+        self._template_takes_tools = "tools" in (self.tokenizer.chat_template or "")
+
+        self._weights = ServedWeights(model, self.device)
+        self._watch = VersionWatch(
+            self._weights,
+            redis_url,
+            Keys(run),
+            check_s=float(opts.get("reload_check_s", _DEFAULT_RELOAD_CHECK_S)),
+            # serve the version announced `lag_versions` before the newest: rollouts
+            # deliberately held back, to measure how well the learner's off-policy correction
+            # copes
+            lag=int(opts.get("lag_versions", 0)),
+        )
+
+        self._queue: list[_Pending] = []
+        self._runner: asyncio.Task[None] | None = None
+        self._closed = False
+        # Observability (and what the tests look at): one entry per decode call.
+        self.generate_calls = 0
+        self.batch_sizes: list[int] = []
+        self._render_cache: dict[bytes, list[int]] = {}
+
+    @property
+    def model(self) -> Any:
+        """The model answering now (wrapped by peft while a LoRA version is served)."""
+        return self._weights.model
+
+    @property
+    def version(self) -> int:
+        return self._weights.version
+
+    @property
+    def reload_error(self) -> str | None:
+        return self._watch.error
+
+    # ------------------------------------------------------------------ public API
+
+    async def respond(self, request: PolicyRequest) -> ModelTurn:
+        if self._closed:
+            raise PolicyError("the hf policy is closed")
+        loop = asyncio.get_running_loop()
+        pending = _Pending(request, loop.create_future())
+        pending.prompt_ids = self._render_cached(request)
+        self._queue.append(pending)
+        if self._runner is None or self._runner.done():
+            # Started as a task, so it first runs after every coroutine that is ready in this
+            # tick has queued its request: those all land in the same batch.
+            self._runner = asyncio.create_task(self._run())
+        return await pending.future
+
+    async def refresh(self) -> None:
+        """Check for a newer version now, or, while batches are running, leave it to the
+        batch loop (weights never change during a batch). Returns when the batch loop is idle
+        again, so after the first call the version and ``reload_error`` are up to date."""
+        if self._closed:
+            return
+        if self._runner is None or self._runner.done():
+            self._runner = asyncio.create_task(self._run())
+        await asyncio.wait({self._runner})  # not `await`: a cancelled caller must not cancel it
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._runner is not None:
+            with contextlib.suppress(Exception):  # already reported to the waiting requests
+                await self._runner
+        await self._watch.close()
+
+    def _load(self, pv: PolicyVersion) -> None:
+        """Serve ``pv`` now, as a rollout worker does when the learner announces it (held-out
+        evaluation calls this for a given checkpoint; no batch may be running)."""
+        self._weights.load(pv)
+
+    def _render_cached(self, request: PolicyRequest) -> list[int]:
+        """Prompt token ids, cached: the samples of a group share their prompt, and rendering a
+        chat template costs more than generating a few tokens with a small model."""
+        tools = request.tools if self._template_takes_tools else []
+        key = _RENDER_KEY.encode((request.items, tools))
+        ids = self._render_cache.get(key)
+        if ids is None:
+            ids = self._render(request)
+            self._render_cache[key] = ids
+            if len(self._render_cache) > _RENDER_CACHE_SIZE:
+                self._render_cache.pop(next(iter(self._render_cache)))
+        return list(ids)
+
+    def _render(self, request: PolicyRequest) -> list[int]:
+        """The chat template over the conversation so far, with the tools when the template
+        knows about tools."""
+        messages = _chat.to_messages(request.items, arguments_as_dict=True)
+        kwargs: dict[str, Any] = {}
+        if request.tools and self._template_takes_tools:
+            kwargs["tools"] = _chat.to_tools(request.tools)
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # ------------------------------------------------------------------ batching
+
+    async def _run(self) -> None:
+        while True:
+            await self._watch.check()
+            if not self._queue:
+                return
+            batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
+            batch = [p for p in batch if not p.future.done()]  # callers that gave up
+            if not batch:
+                continue
+            try:
+                turns = await asyncio.to_thread(self._generate, batch)
+            except Exception as e:
+                err = PolicyError(f"hf generate failed: {e!r}")
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(err)
+                continue
+            for p, turn in zip(batch, turns, strict=True):
+                if not p.future.done():  # the caller may have been cancelled
+                    p.future.set_result(turn)
+
+    def _generate(self, batch: list[_Pending]) -> list[ModelTurn]:
+        """One decode call over the batch (runs in a worker thread)."""
+        import torch
+
+        started = time.perf_counter()
+        self.generate_calls += 1
+        self.batch_sizes.append(len(batch))
+        limits = [p.request.max_new_tokens or self.config.max_new_tokens for p in batch]
+        width = max(len(p.prompt_ids) for p in batch)
+        input_ids = torch.full((len(batch), width), self._decoder.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, p in enumerate(batch):
+            n = len(p.prompt_ids)
+            input_ids[i, width - n :] = torch.tensor(p.prompt_ids)
+            attention[i, width - n :] = 1
+        steps = max(limits)
+        seeds = [
+            _chat.request_seed(self.seed, p.request.task.task_id, p.request.turn) for p in batch
+        ]
+        u = torch.tensor(
+            [uniforms(s, steps) for s in seeds], dtype=torch.float32, device=self.device
+        )
+        sampler = Sampler(u, self.config.temperature)
+        with torch.inference_mode():
+            ids, mask = input_ids.to(self.device), attention.to(self.device)
+            self._decoder.sample(self.model, ids, mask, sampler, steps, loop=self.decode == "loop")
+        seconds = time.perf_counter() - started
+        turns = []
+        for i, p in enumerate(batch):
+            tokens, logprobs, finish, text_ids = self._decoder.cut(
+                sampler.tokens[i], sampler.logprobs[i], limits[i]
+            )
+            text = self.tokenizer.decode(text_ids, skip_special_tokens=False)
+            turns.append(
+                ModelTurn(
+                    index=p.request.turn,
+                    items=_chat.parse_completion(text, p.request.turn),
+                    prompt_token_ids=list(p.prompt_ids),
+                    token_ids=tokens,
+                    logprobs=logprobs,
+                    policy_version=self.version,
+                    finish_reason=finish,
+                    seconds=seconds,
+                )
+            )
+        return turns
+
+
+def _device(name: str) -> Any:
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)

@@ -1,0 +1,184 @@
+"""From a batch of prompts to sampled tokens and their log-probs: the sampler, the KV-cache
+decode loop, and transformers' ``generate`` as the fallback.
+
+Sampling. ``generate`` has a single global RNG, so we run it greedy over logits that a
+logits processor (``Sampler``) has already sampled from: for every row it draws the next
+token from ``softmax(logits / temperature)`` with that request's own uniforms (seeded from
+task id + turn), records its log-probability, and hands ``generate`` a one-hot row. This keeps
+``generate``'s cache handling for every architecture, makes each request's sample independent
+of what else is in the batch (up to float noise from padding), and gives **behaviour log-probs
+under the sampling distribution**: ``log_softmax(logits / T)[token]``. Those are what the
+learner uses as the denominator of its importance weights, and it must compute its own
+log-probs at the same temperature. No top-k / top-p is applied, so nothing the learner cannot
+reproduce shapes the distribution. ``temperature <= 0`` means greedy; then the recorded
+log-probs are those of the untempered model (for evaluation only).
+
+Decoding (option ``decode``). ``loop``: streamrl's own KV-cache loop, which prefills each
+distinct prompt once, so a group's samples share one prefill; ``generate``: transformers'
+``generate``. Both sample through ``Sampler`` and give the same tokens up to float noise.
+
+Tokens. ``token_ids`` are the sampled tokens up to and including the eos that ended the turn
+(the eos is an action the learner must learn), with its log-prob; padding never appears.
+The text is decoded without the final eos and *without* skipping other special tokens, so a
+stray ``<bos>`` the model emits stays visible to the verifier.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+
+def uniforms(seed: int, n: int) -> list[float]:
+    """A request's ``n`` uniforms, one per token it may sample."""
+    rng = random.Random(seed)
+    return [rng.random() for _ in range(n)]
+
+
+class Sampler:
+    """A ``generate`` logits processor that samples every row from ``softmax(logits / T)`` by
+    inverse CDF with that row's own uniforms (drawn up front from its request's seed, so a
+    request samples the same tokens alone or in any batch), and records the log-prob of what it
+    drew (see the module docstring for why). Vectorized: one searchsorted per step."""
+
+    def __init__(self, uniforms: Any, temperature: float) -> None:
+        self.uniforms = uniforms  # [batch, max_new_tokens]
+        self.temperature = temperature
+        self.step = 0
+        self.tokens: list[list[int]] = [[] for _ in range(uniforms.shape[0])]
+        self.logprobs: list[list[float]] = [[] for _ in range(uniforms.shape[0])]
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        logits = scores.float()
+        if self.temperature > 0:
+            logp = torch.log_softmax(logits / self.temperature, dim=-1)
+            cdf = logp.exp().cumsum(dim=-1)
+            u = self.uniforms[:, self.step : self.step + 1] * cdf[:, -1:]
+            nxt = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=logits.shape[-1] - 1)
+        else:
+            logp = torch.log_softmax(logits, dim=-1)
+            nxt = logits.argmax(dim=-1)
+        self.step += 1
+        chosen = logp.gather(1, nxt[:, None])[:, 0]
+        for i, (tok, lp) in enumerate(zip(nxt.tolist(), chosen.tolist(), strict=True)):
+            self.tokens[i].append(tok)
+            self.logprobs[i].append(lp)
+        out = torch.full_like(scores, float("-inf"))
+        out.scatter_(1, nxt[:, None], 0.0)
+        return out
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """What ends a turn (``eos_ids``) and what fills finished rows (``pad_id``), read once
+    from the model and its tokenizer."""
+
+    eos_ids: list[int]
+    pad_id: int
+
+    @classmethod
+    def of(cls, model: Any, tokenizer: Any) -> Decoder:
+        return cls(eos_ids=_eos_ids(model, tokenizer), pad_id=_pad_id(tokenizer))
+
+    def sample(
+        self, model: Any, ids: Any, mask: Any, sampler: Sampler, steps: int, loop: bool
+    ) -> None:
+        """Sample ``steps`` tokens per row into ``sampler``: with the decode loop when
+        ``loop`` and the model's cache allows it, else with ``generate``."""
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        if loop and self._loop(model, ids, mask, sampler, steps):
+            return
+        # Explicit neutral values: generate() fills every field we leave None from the model's
+        # generation_config.json (a shipped repetition penalty or min length would silently
+        # reshape the distribution the learner believes we sampled from).
+        gen_config = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=steps,
+            min_new_tokens=0,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            suppress_tokens=[],
+            begin_suppress_tokens=[],
+            renormalize_logits=False,
+        )
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            generation_config=gen_config,
+            logits_processor=LogitsProcessorList([sampler]),
+        )
+
+    def _loop(self, model: Any, ids: Any, mask: Any, sampler: Sampler, steps: int) -> bool:
+        """Sample ``steps`` tokens per row with the KV cache, each distinct prompt prefilled
+        once (a group's samples share theirs: 8 rows of ``copy``, one prefill). What
+        ``generate`` would do over the one-hot rows ``Sampler`` hands it, without its
+        per-call set-up, which dominates small models. False (nothing sampled) when the
+        model's cache cannot be shared out by row, and ``generate`` is used instead."""
+        import torch
+
+        rows = torch.cat([ids, mask], dim=1)
+        distinct, row_prompt = torch.unique(rows, dim=0, return_inverse=True)
+        width = ids.size(1)
+        p_ids, p_mask = distinct[:, :width], distinct[:, width:]
+        positions = (p_mask.cumsum(-1) - 1).clamp_(min=0)  # left padding, as generate has it
+        out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=positions, use_cache=True)
+        cache = out.past_key_values
+        if not hasattr(cache, "reorder_cache"):
+            return False
+        cache.reorder_cache(row_prompt)
+        scores = out.logits[row_prompt, -1]
+        position = positions[row_prompt, -1]
+        eos = torch.tensor(self.eos_ids, device=ids.device)
+        done = torch.zeros(ids.size(0), dtype=torch.bool, device=ids.device)
+        for step in range(steps):
+            token = sampler(None, scores).argmax(dim=-1)
+            done |= torch.isin(token, eos)
+            if step == steps - 1 or bool(done.all()):
+                break
+            token = token.masked_fill(done, self.pad_id)  # finished rows carry padding on
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            position = position + 1
+            out = model(
+                input_ids=token[:, None],
+                attention_mask=mask,
+                position_ids=position[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache, scores = out.past_key_values, out.logits[:, -1]
+        return True
+
+    def cut(
+        self, tokens: list[int], logprobs: list[float], limit: int
+    ) -> tuple[list[int], list[float], str, list[int]]:
+        """A row's turn: its tokens and log-probs up to the first eos (kept) or ``limit``,
+        the finish reason, and the token ids of its text (without that eos)."""
+        end = next((j for j, t in enumerate(tokens) if t in self.eos_ids), None)
+        if end is not None and end < limit:
+            return tokens[: end + 1], logprobs[: end + 1], "stop", tokens[:end]
+        return tokens[:limit], logprobs[:limit], "length", tokens[:limit]
+
+
+def _pad_id(tokenizer: Any) -> int:
+    if tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id)
+    if tokenizer.eos_token_id is not None:
+        return int(tokenizer.eos_token_id)
+    return 0
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    """Every token that ends a turn: the generation config may list several (Llama 3)."""
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(int(tokenizer.eos_token_id))
+    if not ids:
+        raise ValueError("the model has no eos token: cannot tell when a turn ends")
+    return ids
