@@ -8,13 +8,13 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from streamrl.local.embedded import EmbeddedRedis, RedisNotInstalled
 from tests.support.cli import run_cli
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -57,13 +57,13 @@ def test_example_environment_runs_through_produce_and_workers(redis_url, r, subp
             stderr=subprocess.DEVNULL,
         )
         try:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
+
+            def drained(stage: str = stage) -> bool:
                 info = json.loads(_cli(["status", "--json"], env).stdout)
                 (g,) = info["stages"][stage]["groups"].values()
-                if g["lag"] == 0 and g["pending"] == 0 and info["stages"][stage]["length"]:
-                    break
-                time.sleep(0.2)
+                return g["lag"] == 0 and g["pending"] == 0 and bool(info["stages"][stage]["length"])
+
+            wait_for(drained, f"the {queue} worker to drain {stage}", 60, every=0.2)
         finally:
             r.set("srl:{readme}:halt", 1)  # ends the worker's lease; rq then stops it
             proc.terminate()
@@ -151,14 +151,9 @@ def test_up_stops_its_redis_on_sigterm(tmp_path):
     pid = int((tmp_path / "redis.pid").read_text())
     os.kill(proc.pid, signal.SIGTERM)
     proc.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
-        stat = Path(f"/proc/{pid}/stat").read_text().split()
-        if stat[2] == "Z":
-            break
-        time.sleep(0.05)
-    gone = (
+    gone = lambda: (  # noqa: E731
         not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     )
-    assert gone, "redis-server outlived `streamrl up`"
+    # a process that ends between the two reads counts as not yet: the next poll sees it gone
+    wait_for(gone, "redis-server to end (it outlived `streamrl up`)", 10, (FileNotFoundError,))
     assert not (tmp_path / "redis.url").exists()

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 from streamrl.config import RunConfig
 from streamrl.envs import make_env
 from streamrl.local.pipeline import LocalPipeline, task_ids
 from streamrl.producer.produce import Producer
+from tests.support.waiting import wait_for
 
 
 def test_pipeline_on_cluster(cluster_urls, subprocess_env, tmp_path):
@@ -70,9 +69,8 @@ def test_cli_produce_status_and_replay_on_cluster(cluster_urls, subprocess_env, 
         assert info["rq"]["srl-verify"]["workers"] == 1
         replayed = run_cli([*base, "replay", "verify", "--from", "0"], subprocess_env)
         assert replayed.returncode == 0, replayed.stderr
-        deadline = time.monotonic() + 60
-        while p.stat("duplicates_ignored") < 12 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        replays = lambda: p.stat("duplicates_ignored") >= 12  # noqa: E731
+        wait_for(replays, "the 12 replayed trajectories to be ignored", 60)
         assert p.stat("duplicates_ignored") == 12
         acc = p.account(task_ids("counter", 0, 6, 2))
     assert acc.groups == 6 and acc.lost == 0 and acc.duplicated == 0

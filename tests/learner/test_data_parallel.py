@@ -24,6 +24,7 @@ from streamrl.bus.streams import ensure_groups
 from streamrl.learner.checkpoint import latest_checkpoint, read_state
 from streamrl.learner.config import load_learner_config
 from streamrl.learner.loop import run_learner
+from tests.support.waiting import wait_for
 
 N_GROUPS = 24
 VERSIONS = [i // 6 if i % 7 else 0 for i in range(N_GROUPS)]  # every 7th goes stale
@@ -176,11 +177,14 @@ def test_sigkilled_rank_stops_the_job_and_restart_loses_nothing(
                       "--nproc", "2")  # fmt: skip
         try:
             # wait until a few steps are taken, then SIGKILL rank 1 from outside
-            deadline = time.monotonic() + 120
-            while int(r.hget(keys.learner, "step") or 0) < 3:
+            def stepped() -> bool:
+                if int(r.hget(keys.learner, "step") or 0) >= 3:
+                    return True
                 assert proc.poll() is None, log_path.read_text()[-3000:]
-                assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-                time.sleep(0.01)
+                return False
+
+            tail = lambda: f"3 steps; the log ends\n{log_path.read_text()[-3000:]}"  # noqa: E731
+            wait_for(stepped, tail, 120, every=0.01)
             pids = [int(p) for p in r.hget(keys.learner, "rank_pids").split(b",")]
             assert len(pids) == 2
             os.kill(pids[1], signal.SIGKILL)

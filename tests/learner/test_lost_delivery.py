@@ -4,7 +4,6 @@ dropped connection) is found in the learner's own pending list and trained on, n
 from __future__ import annotations
 
 import threading
-import time
 
 import torch
 from groupdata import make_groups
@@ -15,6 +14,7 @@ from streamrl.bus.streams import ensure_groups
 from streamrl.defaults import LEARNER_GROUP
 from streamrl.learner.config import LearnerConfig
 from streamrl.learner.loop import run_learner
+from tests.support.waiting import wait_for
 
 
 def test_entries_delivered_but_never_seen_are_taken(redis_url, r, tiny_dir, tmp_path):
@@ -32,9 +32,7 @@ def test_entries_delivered_but_never_seen_are_taken(redis_url, r, tiny_dir, tmp_
     )
     t.start()
     try:
-        deadline = time.monotonic() + 60
-        while not r.hget(keys.learner, "step") and time.monotonic() < deadline:
-            time.sleep(0.05)  # the learner is up and reading
+        wait_for(lambda: r.hget(keys.learner, "step"), "the learner to be up and reading", 60)
         # add and deliver in one transaction: the learner's blocked read cannot win the race,
         # exactly as if its own read had been served and the reply lost on the wire
         pipe = r.pipeline(transaction=True)

@@ -24,6 +24,7 @@ from streamrl.learner._failpoints import ENV as FAILPOINT_ENV
 from streamrl.learner.checkpoint import latest_checkpoint, read_state
 from streamrl.learner.config import load_learner_config
 from streamrl.learner.loop import run_learner
+from tests.support.waiting import wait_for
 
 N_GROUPS = 40
 VERSIONS = [i // 6 if i % 7 else 0 for i in range(N_GROUPS)]  # every 7th goes stale
@@ -120,14 +121,17 @@ def test_sigkilled_learner_matches_uninterrupted_run(
     rng = random.Random(1234)
     target = rng.randint(13, steps - 1)
     proc = start()
-    deadline = time.monotonic() + 60
-    while (
-        int(r.hget(keys.learner, "step") or 0) < target
-        or r.hget(keys.learner, "pid") != str(proc.pid).encode()
-    ):
+
+    def at_target() -> bool:
+        if (
+            int(r.hget(keys.learner, "step") or 0) >= target
+            and r.hget(keys.learner, "pid") == str(proc.pid).encode()
+        ):
+            return True
         assert proc.poll() is None, log_path.read_text()[-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+        return False
+
+    wait_for(at_target, f"the restarted learner to reach step {target}", 60, every=0.005)
     time.sleep(rng.uniform(0.0, 0.04))  # somewhere inside the next step
     proc.send_signal(signal.SIGKILL)
     proc.wait()

@@ -8,13 +8,13 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from streamrl.local.prefork import Forked, Prefork
 from streamrl.local.procs import descendants
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,10 +54,14 @@ def test_ps_shows_the_role_not_the_fork_server(forks, tmp_path):
     log = tmp_path / "child.log"
     p = forks.popen(_argv("wait"), log, env={})
     try:
-        deadline = time.monotonic() + 60
-        while "argv=" not in (log.read_text() if log.exists() else ""):
-            assert time.monotonic() < deadline and p.poll() is None, "the child did not start"
-            time.sleep(0.05)
+
+        def started() -> bool:
+            if "argv=" in (log.read_text() if log.exists() else ""):
+                return True
+            assert p.poll() is None, "the child did not start"
+            return False
+
+        wait_for(started, "the child to start", 60)
         cmdline = Path(f"/proc/{p.pid}/cmdline").read_bytes().replace(b"\0", b" ").strip()
         assert cmdline.decode() == shlex.join(_argv("wait"))
         comm = Path(f"/proc/{p.pid}/comm").read_text().strip()
@@ -68,14 +72,16 @@ def test_ps_shows_the_role_not_the_fork_server(forks, tmp_path):
 
 
 def test_ps_names_the_fork_server_and_its_owner(forks):
-    deadline = time.monotonic() + 60
-    while True:
+
+    def shown() -> str:
         pid = forks.server_pid
-        title = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").decode() if pid else ""
-        if title.startswith("streamrl prefork server"):
-            break
-        assert time.monotonic() < deadline, f"the server's command line is {title[:80]!r}"
-        time.sleep(0.05)
+        return Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").decode() if pid else ""
+
+    def named() -> str:
+        title = shown()
+        return title if title.startswith("streamrl prefork server") else ""
+
+    title = wait_for(named, lambda: f"the server's command line is {shown()[:80]!r}", 60)
     assert title == f"streamrl prefork server (for pid {os.getpid()})"
 
 

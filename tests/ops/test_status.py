@@ -3,14 +3,13 @@ workers, groups, policy version, and a lease that keeps failing."""
 
 from __future__ import annotations
 
-import time
-
 from streamrl import schema
 from streamrl.config import PolicyConfig, RunConfig
 from streamrl.envs import make_env
 from streamrl.local.pipeline import LocalPipeline
 from streamrl.ops.status import collect
 from streamrl.producer.produce import Producer
+from tests.support.waiting import wait_for
 
 
 def test_status_counts_and_failed_leases(redis_url, subprocess_env, tmp_path):
@@ -19,11 +18,12 @@ def test_status_counts_and_failed_leases(redis_url, subprocess_env, tmp_path):
         Producer(p.r, "st").from_env(make_env("counter"), 5, 2)
         p.r.xadd(p.keys.policy, {"p": schema.encode(schema.PolicyVersion(version=7))})
         p.start_workers(rollout=1, verify=0)
-        deadline = time.monotonic() + 60
-        info = collect(p.r, "st")
-        while info["rq"]["srl-rollout"]["failed_leases"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.2)
+
+        def failed_lease() -> dict | None:
             info = collect(p.r, "st")
+            return info if info["rq"]["srl-rollout"]["failed_leases"] else None
+
+        info = wait_for(failed_lease, "a failed rollout lease", 60, every=0.2)
     rollout = info["rq"]["srl-rollout"]
     assert rollout["workers"] == 1
     # a config that slipped past the CLI's checks is refused where the worker decodes it

@@ -10,10 +10,11 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import redis
+
+from tests.support.waiting import wait_for
 
 START_TIMEOUT_S = 30.0
 
@@ -100,15 +101,11 @@ class LocalCluster:
         return "cluster_state:ok" in text
 
     def _wait(self, check) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            with contextlib.suppress(redis.RedisError):
-                if check():
-                    return
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"local cluster did not come up; logs in {self.directory}")
-            time.sleep(0.05)
+        try:
+            wait_for(check, "the local cluster", START_TIMEOUT_S, (redis.RedisError,))
+        except AssertionError as e:
+            self.stop()
+            raise RuntimeError(f"local cluster did not come up; logs in {self.directory}") from e
 
     def node_of(self, key: str) -> int:
         """The port of the master serving ``key``'s slot."""

@@ -8,11 +8,12 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -94,15 +95,16 @@ def resources_server(log_dir: Path) -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
+
+        def answers() -> bool:
             try:
                 sessions(url)
-                break
             except OSError:
                 assert proc.poll() is None, (log_dir / "resources-server.log").read_text()
-                assert time.monotonic() < deadline, "the resources server did not start"
-                time.sleep(0.1)
+                return False
+            return True
+
+        wait_for(answers, "the resources server to start", 60, every=0.1)
         yield url
     finally:
         proc.terminate()

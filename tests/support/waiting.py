@@ -12,18 +12,23 @@ T = TypeVar("T")
 
 def wait_for(
     cond: Callable[[], T],
-    what: str,
+    what: str | Callable[[], str],
     timeout: float = 120.0,
     ignore: tuple[type[BaseException], ...] = (),
+    every: float = 0.05,
 ) -> T:
-    """Poll ``cond`` until it returns something truthy and return that; fail naming ``what``
-    after ``timeout`` seconds. Exceptions in ``ignore`` (a Redis that is restarting) count as
-    not yet."""
+    """Poll ``cond`` every ``every`` seconds until it returns something truthy and return that;
+    fail naming ``what`` after ``timeout`` seconds. ``what`` may be a function, called only then,
+    to say what the run looked like at the end (a log tail). Exceptions in ``ignore`` (a Redis
+    that is restarting) count as not yet; any other exception, an assertion inside ``cond``
+    included, fails at once."""
     deadline = time.monotonic() + timeout
     while True:
         with contextlib.suppress(*ignore):
             value = cond()
             if value:
                 return value
-        assert time.monotonic() < deadline, f"gave up after {timeout} s waiting for {what}"
-        time.sleep(0.05)
+        if time.monotonic() >= deadline:
+            said = what() if callable(what) else what
+            raise AssertionError(f"gave up after {timeout} s waiting for {said}")
+        time.sleep(every)

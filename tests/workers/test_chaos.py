@@ -3,12 +3,11 @@ rollout episode is resumed at its committed turn by another worker, not restarte
 
 from __future__ import annotations
 
-import time
-
 from streamrl.config import PolicyConfig, RolloutConfig, RunConfig, StreamConfig, VerifyConfig
 from streamrl.envs import make_env
 from streamrl.local.pipeline import LocalPipeline, task_ids
 from streamrl.producer.produce import Producer
+from tests.support.waiting import wait_for
 
 FAST_RECLAIM = StreamConfig(claim_idle_ms=1500, heartbeat_s=0.3, max_deliveries=5)
 
@@ -43,9 +42,7 @@ def killed_rollout_worker_resumes(url, control_url, subprocess_env, tmp_path, **
         victim_name = p.procs.procs[0][0]
         Producer(p.r, cfg.run).from_env(make_env("counter", steps=3), 16, 4, seed=5)
         # wait until the victim holds episodes with committed turns, then kill it outright
-        deadline = time.monotonic() + 30
-        while _sessions(p) < 64 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: _sessions(p) >= 64, "every episode to commit a turn", 30)
         assert _sessions(p) == 64
         p.procs.kill(victim)
         victim.wait()
@@ -78,14 +75,14 @@ def test_killed_verifier_loses_and_duplicates_nothing(redis_url, subprocess_env,
         p.wait_ready(1, 1)
         env = make_env(cfg.env, **cfg.env_options)
         Producer(p.r, cfg.run).from_env(env, 40, 4, seed=6, env_spec=cfg.env)
+
+        def holding() -> int:
+            pending = p.r.xpending(p.keys.rollouts, "verify")["pending"]
+            return pending if p.stat("scored") >= 20 else 0
+
         # kill it while it holds trajectories (on a loaded machine the verifier can be idle,
         # waiting for rollouts, at the moment 20 are scored)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            pending = p.r.xpending(p.keys.rollouts, "verify")["pending"]
-            if p.stat("scored") >= 20 and pending > 0:
-                break
-            time.sleep(0.005)
+        pending = wait_for(holding, "20 scored and trajectories held", 30, every=0.005)
         p.procs.kill(victim)
         victim.wait()
         assert 20 <= p.stat("scored") < 160 and pending > 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections import Counter
 
 import pytest
@@ -25,10 +24,12 @@ from streamrl.ops.status import collect
 from streamrl.producer.produce import Producer
 from streamrl.schema import SCORE, TRAJECTORY, PolicyVersion, encode
 from streamrl.workers import leases
+from tests.support.waiting import wait_for
 
 # Fast heartbeats, so the guard (checked on each heartbeat) trips soon after its time is up.
 STREAMS = StreamConfig(heartbeat_s=0.2, claim_idle_ms=60_000)
 PROMPTS, GROUP = 40, 2
+WAIT_S = 90.0  # bounded waits: a healthy machine meets each condition in seconds
 
 
 @pytest.fixture(scope="module")
@@ -39,17 +40,6 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture
 def worker_env(subprocess_env):
     return {**subprocess_env, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-def wait_for(what, timeout: float = 90.0, why: str = ""):
-    """Poll until ``what()`` is truthy (a bounded wait, not a timing assertion)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = what()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise TimeoutError(f"gave up after {timeout} s waiting for {why or what}")
 
 
 def announce(p: LocalPipeline, version: int, path: str) -> None:
@@ -104,15 +94,17 @@ def test_a_worker_that_cannot_load_the_policy_faults_the_run(
         Producer(p.r, run).from_env(make_env("copy"), PROMPTS, GROUP, seed=0)
         p.start_workers(rollout=1, verify=1)
         worker = p.procs.procs[0][0]
-        wait_for(lambda: health.fault(p.r, p.keys), why="the run's fault")
-        wait_for(lambda: failures(p, at_least=1), why="a failed rollout lease")
+        wait_for(lambda: health.fault(p.r, p.keys), "the run's fault", WAIT_S, every=0.1)
+        wait_for(lambda: failures(p, at_least=1), "a failed rollout lease", WAIT_S, every=0.1)
         # what the verifier was handed before the fault is scored; then nothing moves
         wait_for(
             lambda: (
                 group_info(p, p.keys.rollouts, "verify")["pending"] == 0
                 and group_info(p, p.keys.rollouts, "verify")["lag"] == 0
             ),
-            why="the verifier to drain",
+            "the verifier to drain",
+            WAIT_S,
+            every=0.1,
         )
         p.stop()
         # read once the workers are gone: each failing lease writes the fault again, with a
@@ -190,7 +182,7 @@ def test_a_worker_that_loads_the_policy_again_clears_its_fault(
         announce(p, 2, str(broken))
         p.start_workers(rollout=1, verify=0)
         worker = p.procs.procs[0][0]
-        wait_for(lambda: health.fault(p.r, p.keys), why="the run's fault")
+        wait_for(lambda: health.fault(p.r, p.keys), "the run's fault", WAIT_S, every=0.1)
         fixed = build_model(seed=1)
         save_file(
             {k: v.contiguous() for k, v in fixed.state_dict().items()},
@@ -202,7 +194,9 @@ def test_a_worker_that_loads_the_policy_again_clears_its_fault(
             served = shown["workers"].get(worker, {}).get("version")
             return shown if shown["fault"] is None and served == 2 else None
 
-        shown = wait_for(healed, why="the worker to serve version 2 and clear the fault")
+        shown = wait_for(
+            healed, "the worker to serve version 2 and clear the fault", WAIT_S, every=0.1
+        )
         p.stop()
     record = shown["workers"][worker]
     assert (record["lag"], record["behind_s"], record["error"]) == (0, None, None)
@@ -227,9 +221,11 @@ def test_a_stale_worker_leaves_what_it_holds_pending(redis_url, worker_env, tmp_
         Producer(p.r, run).from_env(make_env("copy"), 4, GROUP, seed=0)
         p.start_workers(rollout=1, verify=1)
         worker = p.procs.procs[0][0]
-        fault = wait_for(lambda: health.fault(p.r, p.keys), why="the run's fault")
+        fault = wait_for(lambda: health.fault(p.r, p.keys), "the run's fault", WAIT_S, every=0.1)
         # the lease that tripped, and its successor, which trips before it takes any task
-        failed = wait_for(lambda: failures(p, at_least=2), why="two failed rollout leases")
+        failed = wait_for(
+            lambda: failures(p, at_least=2), "two failed rollout leases", WAIT_S, every=0.1
+        )
         shown = collect(p.r, run)["policy_health"]["workers"][worker]
         pending = p.r.xpending_range(p.keys.tasks, ROLLOUT_GROUP, "-", "+", 100)
         tasks = group_info(p, p.keys.tasks, ROLLOUT_GROUP)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import time
 
 import redis
 from rq import Queue
@@ -22,6 +21,7 @@ from streamrl.local.embedded import EmbeddedRedis
 from streamrl.local.pipeline import LocalPipeline, task_ids
 from streamrl.ops.status import collect
 from streamrl.producer.produce import Producer
+from tests.support.waiting import wait_for
 
 FAST = StreamConfig(claim_idle_ms=1500, heartbeat_s=0.3, max_deliveries=30)
 
@@ -97,10 +97,8 @@ def test_status_counts_only_live_workers(redis_url, subprocess_env, tmp_path):
     cfg = RunConfig(run="live", env="counter", streams=FAST)
     with LocalPipeline(cfg, url=redis_url, directory=tmp_path, worker_env=subprocess_env) as p:
         a, _ = p.procs.start(VERIFY_QUEUE, 2)
-        deadline = time.monotonic() + 60
-        while collect(p.r, cfg.run)["rq"][VERIFY_QUEUE]["workers"] < 2:
-            assert time.monotonic() < deadline, "workers did not register"
-            time.sleep(0.1)
+        registered = lambda: collect(p.r, cfg.run)["rq"][VERIFY_QUEUE]["workers"] >= 2  # noqa: E731
+        wait_for(registered, "the workers to register", 60, every=0.1)
         p.procs.kill(a)
         a.wait()
         # what a minute of silence looks like to rq: the dead worker's last heartbeat is old
