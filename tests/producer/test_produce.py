@@ -9,7 +9,7 @@ import time
 from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.envs import make_env
-from streamrl.producer.produce import LearnerAdmission, Producer
+from streamrl.producer import LearnerAdmission, Producer
 from streamrl.responses import row_to_prompt
 
 
