@@ -28,17 +28,10 @@ from streamrl.producer import (
     LearnerAdmission,
     Producer,
 )
+from tests.support.waiting import wait_for
 
 G = 4  # group size
 WAIT_S = 60.0  # generous deadline for conditions that a healthy machine meets in well under 1 s
-
-
-def wait_for(cond: Callable[[], object], what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def pushed(r, run: str) -> int:
@@ -130,7 +123,7 @@ def test_drops_hold_the_producer_after_one_window_plus_the_allowance(r, run_name
         learner.consume(lambda i: "stale")
         return state(r, run_name).get("reason") == DROP_BUDGET
 
-    wait_for(held, "the producer to wait on its drop budget")
+    wait_for(held, "the producer to wait on its drop budget", timeout=WAIT_S)
     learner.consume(lambda i: "stale")
     assert pushed(r, run_name) == 2 * limit  # one window + one window of drops, no more
     assert learner.c["groups_applied"] == 0 and learner.c["dropped_stale"] == 2 * limit // G
@@ -138,7 +131,7 @@ def test_drops_hold_the_producer_after_one_window_plus_the_allowance(r, run_name
     st = state(r, run_name)
     assert st["state"] == "waiting" and "drop budget exhausted" in st["message"]
     assert adm.gate().debt == limit
-    wait_for(lambda: told, "on_wait to be told")
+    wait_for(lambda: told, "on_wait to be told", timeout=WAIT_S)
     assert told[-1].reason == DROP_BUDGET and "stale, zero-variance" in told[-1].message
 
     # The cause is fixed (groups are trainable again). Nothing is left in the pipeline that
@@ -150,7 +143,7 @@ def test_drops_hold_the_producer_after_one_window_plus_the_allowance(r, run_name
         learner.consume(lambda i: "apply")
         return not t.is_alive()
 
-    wait_for(finished, "the producer to finish after the fix")
+    wait_for(finished, "the producer to finish after the fix", timeout=WAIT_S)
     assert "error" not in done and done["result"].prompts == 50
     assert adm.probes >= 1
     assert learner.c["groups_applied"] + learner.c["waiting_groups"] == 50 - 2 * limit // G
@@ -233,7 +226,9 @@ def test_memory_budget_holds_the_producer_until_memory_falls(r, run_name):
     used = r.info("memory")["used_memory"] / 2**20
     adm = LearnerAdmission(r, run_name, G, redis_memory_mb=used - 8, memory_check_s=0.05)
     t, done = start_producer(r, run_name, adm, prompts=4)
-    wait_for(lambda: state(r, run_name).get("reason") == MEMORY_BUDGET, "a memory hold")
+    wait_for(
+        lambda: state(r, run_name).get("reason") == MEMORY_BUDGET, "a memory hold", timeout=WAIT_S
+    )
     st = state(r, run_name)
     assert st["state"] == "waiting" and "[admission] redis_memory_mb" in st["message"]
     assert float(st["used_memory_mb"]) >= float(st["memory_budget_mb"])
@@ -251,7 +246,11 @@ def test_memory_budget_follows_maxmemory(r, run_name):
     try:
         adm = LearnerAdmission(r, run_name, G, redis_memory_mb=0, memory_check_s=0.05)
         t, done = start_producer(r, run_name, adm, prompts=4)
-        wait_for(lambda: state(r, run_name).get("reason") == MEMORY_BUDGET, "a memory hold")
+        wait_for(
+            lambda: state(r, run_name).get("reason") == MEMORY_BUDGET,
+            "a memory hold",
+            timeout=WAIT_S,
+        )
         assert "80% of maxmemory" in state(r, run_name)["message"]
         info = collect(r, run_name)["producer"]
         assert info["state"] == "waiting" and info["reason"] == MEMORY_BUDGET
@@ -284,7 +283,7 @@ def test_healthy_run_with_mostly_zero_variance_groups_never_deadlocks(r, run_nam
         assert gate.in_flight <= limit and gate.debt == 0
         return not t.is_alive()
 
-    wait_for(finished, "the producer to push everything")
+    wait_for(finished, "the producer to push everything", timeout=WAIT_S)
     learner.consume(lambda i: kinds[i])
     assert "error" not in done and done["result"].prompts == prompts
     assert adm.probes == 0 and DROP_BUDGET not in adm.waits
