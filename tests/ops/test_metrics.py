@@ -18,7 +18,7 @@ from streamrl.config import RunConfig
 from streamrl.envs import make_env
 from streamrl.learner.config import LearnerConfig
 from streamrl.local.pipeline import LocalPipeline, xrange_all
-from streamrl.ops.metrics import DEAD_LETTER_CLASSES, dead_letter_class
+from streamrl.ops.metric_feeds import DEAD_LETTER_CLASSES, dead_letter_class
 from streamrl.producer.produce import Producer
 from tests.support.cli import ROOT, run_cli
 
