@@ -52,7 +52,7 @@ from streamrl.config import RunConfig, load_toml  # noqa: E402
 from streamrl.defaults import ROLLOUT_QUEUE, VERIFY_QUEUE  # noqa: E402
 from streamrl.local.embedded import EmbeddedRedis  # noqa: E402
 from streamrl.local.procs import WorkerProcs  # noqa: E402
-from streamrl.producer.produce import LearnerAdmission, admission_limit  # noqa: E402
+from streamrl.producer import LearnerAdmission, admission_limit  # noqa: E402
 
 RUN = "learner-down"
 MiB = 2**20

@@ -359,10 +359,10 @@ def test_prometheus_scrapes_the_exporter():
 
 
 def test_dashboard_uses_only_exported_metrics():
-    from streamrl.ops.metrics import _Families
+    from streamrl.ops.metric_families import Families
 
     exported = set()
-    for family in vars(_Families()).values():
+    for family in vars(Families()).values():
         name = family.name + ("_total" if family.type == "counter" else "")
         exported.add(name)
         if family.type == "histogram":

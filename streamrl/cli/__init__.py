@@ -289,13 +289,8 @@ def produce(
     from streamrl.envs import make_env
     from streamrl.envs.registry import UnknownEnvironment
     from streamrl.policy import check_policy
-    from streamrl.producer.produce import (
-        BATCH,
-        LearnerAdmission,
-        Producer,
-        admission_batch,
-        admission_limit,
-    )
+    from streamrl.producer.admission import LearnerAdmission, admission_batch, admission_limit
+    from streamrl.producer.produce import BATCH, Producer
     from streamrl.workers import leases
     from streamrl.workers.context import read_config, write_config
 

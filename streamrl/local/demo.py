@@ -37,7 +37,8 @@ from streamrl.local.prefork import Prefork
 from streamrl.local.procs import own_cpu, self_cpu, tree_cpu
 from streamrl.ops.status import collect
 from streamrl.ops.views import RewardFeed, status_table
-from streamrl.producer.produce import LearnerAdmission, Producer, admission_limit
+from streamrl.producer.admission import LearnerAdmission, admission_limit
+from streamrl.producer.produce import Producer
 
 RUN = "demo"
 # What the demo runs: the shipped config the README's Training section runs by hand, so the

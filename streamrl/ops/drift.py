@@ -23,7 +23,7 @@ from streamrl.envs import Environment, make_env
 from streamrl.responses import items_from_json
 from streamrl.workers.verify import VerifyFailure, verify_one
 
-Pairs = Iterator[tuple[schema.Trajectory, schema.Score]]
+_Pairs = Iterator[tuple[schema.Trajectory, schema.Score]]
 
 
 def drift_report(
@@ -34,7 +34,7 @@ def drift_report(
     timeout_s: float = 10.0,
     env_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    def stored() -> Pairs:
+    def stored() -> _Pairs:
         rows_of = (row for k in run_shards(r, run) for row in xrange_all(r, k.groups))
         for eid, fields in rows_of:
             if start != "-" and eid.decode() < start:
@@ -51,11 +51,11 @@ def drift_report(
             env = envs[traj.env] = make_env(traj.env, **(env_options or {}))
         return env
 
-    return {"run": run, **compare(stored(), env_for, limit, timeout_s)}
+    return {"run": run, **_compare(stored(), env_for, limit, timeout_s)}
 
 
-def compare(
-    pairs: Pairs,
+def _compare(
+    pairs: _Pairs,
     env_for: Callable[[schema.Trajectory], Environment],
     limit: int | None = None,
     timeout_s: float = 10.0,
@@ -151,7 +151,7 @@ def rows_drift_report(
             await env.aclose()
 
     asyncio.run(replay_all())
-    report = compare(iter(pairs), lambda _t: env, None, timeout_s)
+    report = _compare(iter(pairs), lambda _t: env, None, timeout_s)
     return {
         "rows": path,
         **report,

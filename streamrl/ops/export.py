@@ -76,7 +76,7 @@ class ExportResult:
         self.skipped[why] = self.skipped.get(why, 0) + n
 
 
-def groups(r: redis.Redis, run: str, start: str = "-", end: str = "+") -> Iterator[schema.Group]:
+def _groups(r: redis.Redis, run: str, start: str = "-", end: str = "+") -> Iterator[schema.Group]:
     stream = Keys(run).groups
     first = True
     while True:
@@ -93,7 +93,7 @@ def groups(r: redis.Redis, run: str, start: str = "-", end: str = "+") -> Iterat
 # ---------------------------------------------------------------- chat messages
 
 
-def chat_messages(items: list[Item]) -> list[dict[str, Any]]:
+def _chat_messages(items: list[Item]) -> list[dict[str, Any]]:
     """Items as OpenAI/transformers chat messages (see the module's docstring)."""
     out: list[dict[str, Any]] = []
     names: dict[str, str] = {}
@@ -165,7 +165,7 @@ def _chat_tools(tools: list[dict[str, Any]]) -> str:
 # ---------------------------------------------------------------- rows
 
 
-def nemo_gym_row(sample: schema.Sample) -> dict[str, Any]:
+def _nemo_gym_row(sample: schema.Sample) -> dict[str, Any]:
     traj, score = sample.trajectory, sample.score
     tools = _tools(traj)
     fields = {
@@ -211,9 +211,9 @@ def _worst(samples: list[schema.Sample]) -> schema.Sample:
     return min(samples, key=lambda s: (s.score.reward, s.score.k))
 
 
-def sft_row(sample: schema.Sample) -> dict[str, Any]:
+def _sft_row(sample: schema.Sample) -> dict[str, Any]:
     traj = sample.trajectory
-    row: dict[str, Any] = {"messages": chat_messages(traj.items)}
+    row: dict[str, Any] = {"messages": _chat_messages(traj.items)}
     tools = _tools(traj)
     if tools:
         row["tools"] = _chat_tools(tools)
@@ -222,12 +222,12 @@ def sft_row(sample: schema.Sample) -> dict[str, Any]:
     return row
 
 
-def dpo_row(chosen: schema.Sample, rejected: schema.Sample) -> dict[str, Any]:
+def _dpo_row(chosen: schema.Sample, rejected: schema.Sample) -> dict[str, Any]:
     traj = chosen.trajectory
     row: dict[str, Any] = {
-        "prompt": chat_messages(traj.items[: traj.n_input]),
-        "chosen": chat_messages(traj.items[traj.n_input :]),
-        "rejected": chat_messages(rejected.trajectory.items[rejected.trajectory.n_input :]),
+        "prompt": _chat_messages(traj.items[: traj.n_input]),
+        "chosen": _chat_messages(traj.items[traj.n_input :]),
+        "rejected": _chat_messages(rejected.trajectory.items[rejected.trajectory.n_input :]),
     }
     tools = _tools(traj)
     if tools:
@@ -248,7 +248,7 @@ def export_rows(
     res = ExportResult(fmt)
 
     def rows() -> Iterator[dict[str, Any]]:
-        for group in groups(r, run, flt.start, flt.end):
+        for group in _groups(r, run, flt.start, flt.end):
             if limit is not None and res.rows >= limit:
                 return
             res.groups += 1
@@ -264,7 +264,7 @@ def export_rows(
                     if limit is not None and res.rows >= limit:
                         return
                     res.rows += 1
-                    yield nemo_gym_row(s)
+                    yield _nemo_gym_row(s)
                 continue
             if not kept:
                 res.skip("empty_group")
@@ -275,13 +275,13 @@ def export_rows(
                 continue
             if fmt == "sft":
                 res.rows += 1
-                yield sft_row(best)
+                yield _sft_row(best)
                 continue
             worst = _worst(kept)
             if (best.score.reward or 0.0) - (worst.score.reward or 0.0) <= flt.min_margin:
                 res.skip("no_margin")
                 continue
             res.rows += 1
-            yield dpo_row(best, worst)
+            yield _dpo_row(best, worst)
 
     return rows(), res

@@ -45,7 +45,7 @@ def stream_info(r: redis.Redis, stream: str) -> dict[str, Any]:
     return info
 
 
-def producer_state(r: redis.Redis, keys: Keys) -> dict[str, Any]:
+def _producer_state(r: redis.Redis, keys: Keys) -> dict[str, Any]:
     """The producer's gate (producer.LearnerAdmission): ``state`` running, waiting or done;
     while waiting, ``reason``, ``message`` and ``since``; its figures. Empty: no producer."""
     out = {as_str(k): _num(v) for k, v in r.hgetall(keys.producer_state).items()}
@@ -57,7 +57,7 @@ def producer_state(r: redis.Redis, keys: Keys) -> dict[str, Any]:
 _COUNTERS = ("groups_completed", "groups_dropped", "trajectories", "duplicates_ignored")
 
 
-def shard_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
+def _shard_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
     """Streams and counters of one shard (of the whole run when unsharded)."""
     stats = {as_str(k): _num(v) for k, v in r.hgetall(keys.stats).items()}
     stages = {}
@@ -75,7 +75,7 @@ def _sum_or_none(values: list[Any]) -> Any:
     return None if any(v is None for v in values) else sum(values)
 
 
-def total(parts: list[dict[str, Any]]) -> dict[str, Any]:
+def _total(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """The shards of a run added up: lengths, lag, pending and counters are summed; a lag
     that Redis cannot tell on one shard (None) is unknown in total; consumers are the most
     any shard has (the same worker consumes every shard)."""
@@ -104,7 +104,7 @@ def collect(r: redis.Redis, run: str, control: redis.Redis | None = None) -> dic
 
     keys = Keys(run)
     shards = run_shards(r, run)
-    parts = [shard_status(r, k) for k in shards]
+    parts = [_shard_status(r, k) for k in shards]
     learner = {as_str(k): _num(v) for k, v in r.hgetall(keys.learner).items()}
     policy_version = None
     last = r.xrevrange(keys.policy, count=1)
@@ -114,11 +114,11 @@ def collect(r: redis.Redis, run: str, control: redis.Redis | None = None) -> dic
     workers = {q: leases.queue_health(rq_redis, q) for q in (ROLLOUT_QUEUE, VERIFY_QUEUE)}
     info = {
         "run": run,
-        **(parts[0] if len(parts) == 1 else total(parts)),
+        **(parts[0] if len(parts) == 1 else _total(parts)),
         "policy_version": policy_version,
         "rq": workers,
         "learner": learner,
-        "producer": producer_state(r, keys),
+        "producer": _producer_state(r, keys),
         "policy_health": policy_health(r, keys),
     }
     if len(parts) > 1:

@@ -75,11 +75,11 @@ def status_table(info: dict[str, Any]) -> Table:
     if health.get("fault"):
         parts.append(Text(f"FAULT: {health['fault']}", style="bold red"))
     if health.get("workers"):
-        parts.append(policy_health_table(health["workers"]))
+        parts.append(_policy_health_table(health["workers"]))
     return RichGroup(*parts)  # type: ignore[return-value]
 
 
-def policy_health_table(workers: dict[str, dict[str, Any]]) -> Table:
+def _policy_health_table(workers: dict[str, dict[str, Any]]) -> Table:
     """Per rollout worker: the policy version it serves, how far behind the newest announced
     one, for how long beyond ``max_staleness``, and why its last reload failed."""
     t = Table(title="policy by rollout worker")

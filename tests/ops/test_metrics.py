@@ -18,11 +18,12 @@ from streamrl.config import RunConfig
 from streamrl.envs import make_env
 from streamrl.learner.config import LearnerConfig
 from streamrl.local.pipeline import LocalPipeline, xrange_all
-from streamrl.ops.metrics import DEAD_LETTER_CLASSES, dead_letter_class
+from streamrl.ops.metric_feeds import DEAD_LETTER_CLASSES, dead_letter_class
 from streamrl.producer.produce import Producer
 from tests.support.cli import ROOT, run_cli
 
 RUN = "met"
+MEMORY_TOLERANCE = 2**20  # bytes: INFO used_memory moves with client buffers between reads
 
 
 def scrape(url: str) -> dict[str, list]:
@@ -97,7 +98,11 @@ def test_scrape_of_a_run_matches_status(redis_url, subprocess_env, tmp_path, lea
         env = {**subprocess_env, "STREAMRL_REDIS_URL": redis_url, "STREAMRL_RUN": RUN}
         proc, url = start_exporter(env)
         try:
+            before = p.r.info("memory")
             m = scrape(url)
+            after = p.r.info("memory")
+            run_keys = list(p.r.scan_iter(p.keys.key("*")))
+            run_bytes = sum(p.r.memory_usage(k) or 0 for k in run_keys)
             status = json.loads(run_cli(["status", "--json"], env).stdout)
             again = scrape(url)  # a second scrape folds nothing twice
         finally:
@@ -170,7 +175,14 @@ def test_scrape_of_a_run_matches_status(redis_url, subprocess_env, tmp_path, lea
     for queue, w in status["rq"].items():
         assert one(m, "streamrl_rq_workers", queue=queue) == w["workers"] == 1
         assert one(m, "streamrl_rq_failed_leases", queue=queue) == w["failed_leases"]
-    assert one(m, "streamrl_redis_memory_used_bytes") > 0
+    # INFO used_memory as the exporter read it during the scrape: between the test's own
+    # readings just before and after, give or take 1 MiB (client buffers come and go), and
+    # more than the run's own keys take (MEMORY USAGE of each), which live in that memory
+    used = one(m, "streamrl_redis_memory_used_bytes")
+    lo, hi = sorted((before["used_memory"], after["used_memory"]))
+    assert lo - MEMORY_TOLERANCE <= used <= hi + MEMORY_TOLERANCE, (used, lo, hi)
+    assert used > run_bytes > 0
+    assert one(m, "streamrl_redis_memory_max_bytes") == before["maxmemory"] == after["maxmemory"]
     # Prometheus conventions: counters end in _total, names are snake_case under streamrl_
     allowed = {"run", "stream", "group", "stage", "reason", "env", "queue", "staleness"}
     allowed |= {"status", "le"}

@@ -19,7 +19,7 @@ from streamrl.bus.keys import Keys
 from streamrl.config import RunConfig, load_toml
 from streamrl.envs import make_env
 from streamrl.ops.status import collect
-from streamrl.producer.produce import (
+from streamrl.producer import (
     DROP_BUDGET,
     MEMORY_BUDGET,
     NO_LEARNER,

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 
 from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.envs import make_env
-from streamrl.producer.produce import LearnerAdmission, Producer
+from streamrl.producer import WINDOW_FULL, Hold, LearnerAdmission, Producer
 from streamrl.responses import row_to_prompt
+from tests.support.waiting import wait_for
 
 
 def test_same_seed_same_prompts_different_seed_different(r, run_name):
@@ -40,24 +40,29 @@ def test_admission_blocks_until_samples_are_consumed(r, run_name):
     env = make_env("counter")
     Producer(r, run_name).from_env(env, 4, 4)  # 16 samples in flight, no learner yet
     r.hset(keys.learner, mapping={"max_in_flight": 16, "samples_consumed": 0})
-    adm = LearnerAdmission(r, run_name, group_size=4)
+    told: list[Hold] = []  # every evaluation that held (tell_every_s=0: told each time)
+    adm = LearnerAdmission(r, run_name, group_size=4, on_wait=told.append, tell_every_s=0)
     assert adm.in_flight() == (16, 16)
     released = threading.Event()
 
-    def wait():
-        adm(8)
+    def produce() -> None:  # two more prompts of the same source: 8 samples, 16 + 8 > 16
+        Producer(r, run_name, admission=adm).from_env(env, 6, 4)
         released.set()
 
-    t = threading.Thread(target=wait)
+    t = threading.Thread(target=produce, daemon=True)
     t.start()
-    time.sleep(0.3)
-    assert not released.is_set()  # 16 + 8 > 16
+    # held on three successive readings of the gate, and nothing got through meanwhile
+    wait_for(lambda: len(told) >= 3, "the gate to hold the producer three times", timeout=60)
+    assert not released.is_set() and t.is_alive()
+    assert r.xinfo_stream(keys.tasks)["entries-added"] == 16
+    assert {(h.reason, h.in_flight, h.limit) for h in told} == {(WINDOW_FULL, 16, 16)}
     r.hset(keys.learner, "samples_consumed", 8)
-    t.join(timeout=5)
-    assert released.is_set()
+    assert released.wait(timeout=60), "the producer was not let through"
+    assert r.xinfo_stream(keys.tasks)["entries-added"] == 24
+    assert adm.in_flight() == (16, 16)
     # a dropped group settles its samples too
     r.hset(keys.stats, "groups_dropped", 2)
-    assert adm.in_flight() == (0, 16)
+    assert adm.in_flight() == (8, 16)
 
 
 class _CrashAfter(Exception):

@@ -14,7 +14,7 @@ from streamrl.defaults import ROLLOUT_GROUP, VERIFY_GROUP
 from streamrl.envs import make_env
 from streamrl.local.embedded import EmbeddedRedis
 from streamrl.local.pipeline import LocalPipeline
-from streamrl.producer.produce import MEMORY_BUDGET, LearnerAdmission, Producer
+from streamrl.producer import MEMORY_BUDGET, LearnerAdmission, Producer
 from tests.support.waiting import wait_for
 
 MiB = 2**20
