@@ -9,6 +9,7 @@ from rich.console import Console
 
 from streamrl.bus import health
 from streamrl.bus.keys import Keys
+from streamrl.cli import Group
 from streamrl.config import RunConfig
 from streamrl.ops.views import status_table
 from streamrl.schema import WorkerPolicy, encode
@@ -103,11 +104,15 @@ def test_a_faulted_run_stops_a_command_with_one_line(r):
     health.check_fault(r, keys)  # no fault: nothing happens
     r.set(keys.fault, "PolicyStale: worker w serves policy version 0\n(details)")
 
-    @click.command()
+    @click.group(cls=Group)  # the command line's group turns RunFaulted into its one line
+    def main() -> None:
+        pass
+
+    @main.command()
     def cmd() -> None:
         health.check_fault(r, keys)
 
-    res = CliRunner().invoke(cmd, [])
+    res = CliRunner().invoke(main, ["cmd"])
     assert res.exit_code == 1
     assert res.output == "Error: PolicyStale: worker w serves policy version 0 (details)\n"
     with pytest.raises(health.RunFaulted):
