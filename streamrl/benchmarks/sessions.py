@@ -22,6 +22,7 @@ Figures (one JSON object):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -29,6 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import redis
 
 from streamrl.config import (
@@ -44,17 +46,12 @@ from streamrl.local.procs import descendants, self_cpu, tree_cpu
 from streamrl.producer.produce import Producer
 
 
-def rss_bytes(pids: list[int]) -> int:
+def _rss_bytes(pids: list[int]) -> int:
     """Resident memory of these processes (those still alive)."""
     total = 0
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-        except FileNotFoundError:
-            pass
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += psutil.Process(pid).memory_info().rss
     return total
 
 
@@ -88,7 +85,7 @@ class Sampler(threading.Thread):
                 self.peak = {
                     "open": n,
                     "used_memory": self.r.info("memory")["used_memory"],
-                    "rss": rss_bytes(pids),
+                    "rss": _rss_bytes(pids),
                     "keys": list(itertools.islice(self.r.scan_iter(match=self.pattern), 200)),
                 }
                 self.peak["key_bytes"] = [
@@ -137,7 +134,7 @@ def sessions_bench(
         assert p.procs is not None and p.url is not None
         roots = [proc.pid for _, proc in p.procs.procs[:rollout_workers]]
         time.sleep(1.0)  # the lease settles into its read loop
-        rss_idle = rss_bytes(roots + [c for pid in roots for c in descendants(pid)])
+        rss_idle = _rss_bytes(roots + [c for pid in roots for c in descendants(pid)])
         pattern = p.keys.session("*")
         assert p.server is not None and p.server.proc is not None
         every = [p.server.proc.pid] + [proc.pid for _, proc in p.procs.procs]

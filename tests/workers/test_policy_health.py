@@ -157,7 +157,7 @@ def test_a_worker_that_cannot_load_the_policy_faults_the_run(
     )
     with pytest.raises(health.RunFaulted) as stopped:
         run_learner(redis_url, run, learner_cfg, exit_when_idle=5)
-    assert stopped.value.message == health.one_line(fault)
+    assert str(stopped.value) == health.one_line(fault)
     config = tmp_path / "learn.toml"
     config.write_text(
         f'run = "{run}"\n[learner]\nmodel = "{tiny_dir}"\n'
