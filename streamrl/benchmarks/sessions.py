@@ -55,7 +55,7 @@ def _rss_bytes(pids: list[int]) -> int:
     return total
 
 
-def count_keys(r: redis.Redis, pattern: str) -> int:
+def _count_keys(r: redis.Redis, pattern: str) -> int:
     return sum(1 for _ in r.scan_iter(match=pattern, count=5000))
 
 
@@ -67,7 +67,7 @@ def _worker_errors(log_dir: Path) -> int:
     return n
 
 
-class Sampler(threading.Thread):
+class _Sampler(threading.Thread):
     """Polls open sessions, Redis memory and worker RSS; keeps the fullest moment."""
 
     def __init__(self, url: str, pattern: str, roots: list[int], every: float):
@@ -79,7 +79,7 @@ class Sampler(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.is_set():
-            n = count_keys(self.r, self.pattern)
+            n = _count_keys(self.r, self.pattern)
             if n >= self.peak["open"]:  # the latest of the fullest moments: the longest sessions
                 pids = self.roots + [c for p in self.roots for c in descendants(p)]
                 self.peak = {
@@ -144,10 +144,10 @@ def sessions_bench(
         t0 = time.perf_counter()
         Producer(p.r, cfg.run).from_env(env, prompts, group_size, seed=0)
         used_tasks = p.r.info("memory")["used_memory"]
-        early = count_keys(p.r, pattern)
+        early = _count_keys(p.r, pattern)
         push_s = time.perf_counter() - t0
         say(f"pushed {n} tasks in {push_s:.1f} s ({early} sessions already open)")
-        sampler = Sampler(p.url, pattern, roots, sample_s)
+        sampler = _Sampler(p.url, pattern, roots, sample_s)
         sampler.start()
         p.wait_groups(prompts, timeout=timeout_s)
         elapsed = time.perf_counter() - t0
@@ -157,7 +157,7 @@ def sessions_bench(
         sampler.join()
         peak = sampler.peak
         say(f"peak {peak['open']} open sessions; {prompts} groups in {elapsed:.1f} s")
-        left = count_keys(p.r, pattern)
+        left = _count_keys(p.r, pattern)
         dead = p.r.xlen(p.keys.dead)
         stats = p.r.info("commandstats")
         p.stop()

@@ -17,12 +17,12 @@ from typing import Any
 
 import psutil
 
-WORKER_CLASS = "streamrl.workers.LeaseWorker"
+_WORKER_CLASS = "streamrl.workers.LeaseWorker"
 
 
 def rq_worker_cmd(url: str, queue: str, name: str | None = None, quiet: bool = True) -> list[str]:
     """Plain ``rq worker`` with streamrl's worker class (self-healing, JSON serializer)."""
-    cmd = [sys.executable, "-m", "rq.cli", "worker", "-u", url, "-w", WORKER_CLASS, "-S", "json"]
+    cmd = [sys.executable, "-m", "rq.cli", "worker", "-u", url, "-w", _WORKER_CLASS, "-S", "json"]
     cmd.append(queue)
     if name:
         cmd += ["--name", name]

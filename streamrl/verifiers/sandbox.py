@@ -94,7 +94,7 @@ def _world_usable(path: str) -> bool:
         return False
 
 
-def find_python(for_other_uid: bool) -> str:
+def _find_python(for_other_uid: bool) -> str:
     """Our own interpreter when the sandbox uid can use it, else a system python3.
 
     A pyenv or venv under /root (mode 0700) is unreachable once we drop to another uid."""
@@ -234,7 +234,7 @@ def run_python(
     cpu_limit = int(max(1, round(cpu_s if cpu_s is not None else timeout_s)))
     as_root = os.geteuid() == 0
     uid = _pick_uid() if as_root else None
-    python = find_python(for_other_uid=uid is not None)
+    python = _find_python(for_other_uid=uid is not None)
     workdir = tempfile.mkdtemp(prefix="srl-sandbox-")
     try:
         for name, content in {**(files or {}), "main.py": source}.items():

@@ -64,7 +64,7 @@ class _DeadLetter(msgspec.Struct, frozen=True):
     reason: str
 
 
-class RolloutLease:
+class _RolloutLease:
     def __init__(
         self,
         r: Any,
@@ -385,7 +385,9 @@ async def _lease(conn: Any, run: str, seconds: float | None, shard: int | None) 
             conn, ROLLOUT_QUEUE, run, at_most_every_s=1.0, control=control, shard=shard
         )
         url = data_url(control)
-        lease = RolloutLease(r, run, consumer_name(), seconds, on_ready=ready, url=url, shard=shard)
+        lease = _RolloutLease(
+            r, run, consumer_name(), seconds, on_ready=ready, url=url, shard=shard
+        )
         return await lease.run()
     finally:
         await r.aclose()
