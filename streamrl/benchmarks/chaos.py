@@ -43,9 +43,9 @@ from streamrl.local.procs import descendants
 from streamrl.ops.status import collect
 from streamrl.producer.produce import Producer
 
-KINDS = ("tree", "main", "horse")
-MOMENTS = ("random", "lease-start", "lease-end")
-ROLE_QUEUE = {"rollout": ROLLOUT_QUEUE, "verify": VERIFY_QUEUE}
+_KINDS = ("tree", "main", "horse")
+_MOMENTS = ("random", "lease-start", "lease-end")
+_ROLE_QUEUE = {"rollout": ROLLOUT_QUEUE, "verify": VERIFY_QUEUE}
 
 
 @dataclass
@@ -70,7 +70,7 @@ class ChaosConfig:
 
 
 @dataclass
-class Fault:
+class _Fault:
     at_s: float
     kind: str  # tree | main | horse | all | redis
     role: str  # rollout | verify | redis
@@ -100,7 +100,7 @@ class _Chaos:
         self.env = env
         self.say = say
         self.rng = random.Random(cfg.seed)
-        self.faults: list[Fault] = []
+        self.faults: list[_Fault] = []
         self.orphans: set[int] = set()  # horses whose rq main we killed
         self.progress = _Progress()
         self.drained_at: float | None = None
@@ -108,7 +108,7 @@ class _Chaos:
 
     # ---------------------------------------------------------------- processes
     def _alive(self, role: str) -> list[subprocess.Popen]:
-        queue = ROLE_QUEUE[role]
+        queue = _ROLE_QUEUE[role]
         return [p for name, p in self.p.procs.procs if name.startswith(queue) and p.poll() is None]
 
     @staticmethod
@@ -149,10 +149,10 @@ class _Chaos:
             proc.wait()
         return pids
 
-    def _worker_fault(self, t0: float) -> Fault:
+    def _worker_fault(self, t0: float) -> _Fault:
         role = self.rng.choice(("rollout", "verify"))
-        kind = self.rng.choice(KINDS)
-        moment = self.rng.choice(MOMENTS)
+        kind = self.rng.choice(_KINDS)
+        moment = self.rng.choice(_MOMENTS)
         victims = self._alive(role)
         victim = self.rng.choice(victims)
         self._wait_moment(victim, moment, self.cfg.lease_seconds + 2)
@@ -160,25 +160,25 @@ class _Chaos:
             kind = "tree"  # between leases there is no horse: take the whole worker
         pids = self._kill(victim, kind)
         if kind != "horse":
-            self.p.procs.start(ROLE_QUEUE[role], 1)
-        return Fault(time.monotonic() - t0, kind, role, moment, pids)
+            self.p.procs.start(_ROLE_QUEUE[role], 1)
+        return _Fault(time.monotonic() - t0, kind, role, moment, pids)
 
-    def _all_fault(self, t0: float) -> Fault:
+    def _all_fault(self, t0: float) -> _Fault:
         role = self.rng.choice(("rollout", "verify"))
         pids: list[int] = []
         victims = self._alive(role)
         for victim in victims:
             pids += self._kill(victim, "tree")
-        self.p.procs.start(ROLE_QUEUE[role], len(victims))
-        return Fault(time.monotonic() - t0, "all", role, "random", pids)
+        self.p.procs.start(_ROLE_QUEUE[role], len(victims))
+        return _Fault(time.monotonic() - t0, "all", role, "random", pids)
 
-    def _redis_fault(self, t0: float) -> Fault:
+    def _redis_fault(self, t0: float) -> _Fault:
         assert self.server.proc is not None
         pid = self.server.proc.pid
         self.server.kill()
         time.sleep(self.cfg.redis_down_s)
         self.server.start()
-        return Fault(time.monotonic() - t0, "redis", "redis", "random", [pid])
+        return _Fault(time.monotonic() - t0, "redis", "redis", "random", [pid])
 
     # ---------------------------------------------------------------- the run
     def _push(self, total: int) -> None:

@@ -22,6 +22,7 @@ Figures (one JSON object):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -29,6 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import redis
 
 from streamrl.config import (
@@ -44,21 +46,16 @@ from streamrl.local.procs import descendants, self_cpu, tree_cpu
 from streamrl.producer.produce import Producer
 
 
-def rss_bytes(pids: list[int]) -> int:
+def _rss_bytes(pids: list[int]) -> int:
     """Resident memory of these processes (those still alive)."""
     total = 0
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-        except FileNotFoundError:
-            pass
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += psutil.Process(pid).memory_info().rss
     return total
 
 
-def count_keys(r: redis.Redis, pattern: str) -> int:
+def _count_keys(r: redis.Redis, pattern: str) -> int:
     return sum(1 for _ in r.scan_iter(match=pattern, count=5000))
 
 
@@ -70,7 +67,7 @@ def _worker_errors(log_dir: Path) -> int:
     return n
 
 
-class Sampler(threading.Thread):
+class _Sampler(threading.Thread):
     """Polls open sessions, Redis memory and worker RSS; keeps the fullest moment."""
 
     def __init__(self, url: str, pattern: str, roots: list[int], every: float):
@@ -82,13 +79,13 @@ class Sampler(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.is_set():
-            n = count_keys(self.r, self.pattern)
+            n = _count_keys(self.r, self.pattern)
             if n >= self.peak["open"]:  # the latest of the fullest moments: the longest sessions
                 pids = self.roots + [c for p in self.roots for c in descendants(p)]
                 self.peak = {
                     "open": n,
                     "used_memory": self.r.info("memory")["used_memory"],
-                    "rss": rss_bytes(pids),
+                    "rss": _rss_bytes(pids),
                     "keys": list(itertools.islice(self.r.scan_iter(match=self.pattern), 200)),
                 }
                 self.peak["key_bytes"] = [
@@ -137,7 +134,7 @@ def sessions_bench(
         assert p.procs is not None and p.url is not None
         roots = [proc.pid for _, proc in p.procs.procs[:rollout_workers]]
         time.sleep(1.0)  # the lease settles into its read loop
-        rss_idle = rss_bytes(roots + [c for pid in roots for c in descendants(pid)])
+        rss_idle = _rss_bytes(roots + [c for pid in roots for c in descendants(pid)])
         pattern = p.keys.session("*")
         assert p.server is not None and p.server.proc is not None
         every = [p.server.proc.pid] + [proc.pid for _, proc in p.procs.procs]
@@ -147,10 +144,10 @@ def sessions_bench(
         t0 = time.perf_counter()
         Producer(p.r, cfg.run).from_env(env, prompts, group_size, seed=0)
         used_tasks = p.r.info("memory")["used_memory"]
-        early = count_keys(p.r, pattern)
+        early = _count_keys(p.r, pattern)
         push_s = time.perf_counter() - t0
         say(f"pushed {n} tasks in {push_s:.1f} s ({early} sessions already open)")
-        sampler = Sampler(p.url, pattern, roots, sample_s)
+        sampler = _Sampler(p.url, pattern, roots, sample_s)
         sampler.start()
         p.wait_groups(prompts, timeout=timeout_s)
         elapsed = time.perf_counter() - t0
@@ -160,7 +157,7 @@ def sessions_bench(
         sampler.join()
         peak = sampler.peak
         say(f"peak {peak['open']} open sessions; {prompts} groups in {elapsed:.1f} s")
-        left = count_keys(p.r, pattern)
+        left = _count_keys(p.r, pattern)
         dead = p.r.xlen(p.keys.dead)
         stats = p.r.info("commandstats")
         p.stop()

@@ -25,7 +25,7 @@ from streamrl.bus.keys import Keys
 from streamrl.config import RunConfig
 from streamrl.schema import WORKER_POLICY, WorkerPolicy
 
-MAX_REASON_CHARS = 400
+_MAX_REASON_CHARS = 400
 
 
 class PolicyStale(RuntimeError):
@@ -37,7 +37,7 @@ class RunFaulted(RuntimeError):
     status 1)."""
 
 
-def one_line(text: str, limit: int = MAX_REASON_CHARS) -> str:
+def one_line(text: str, limit: int = _MAX_REASON_CHARS) -> str:
     """Whitespace (newlines included) collapsed, cut to ``limit`` characters."""
     flat = " ".join(text.split())
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
@@ -47,13 +47,13 @@ def max_staleness(config: RunConfig) -> int:
     return int(config.learner.get("max_staleness", d.MAX_STALENESS))
 
 
-def stale_after(heartbeat_s: float) -> float:
+def _stale_after(heartbeat_s: float) -> float:
     """Seconds after which a health record belongs to no live lease."""
     return d.POLICY_HEALTH_STALE_HEARTBEATS * heartbeat_s + d.POLICY_HEALTH_STALE_S
 
 
 def is_fresh(record: WorkerPolicy, now: float) -> bool:
-    return now - record.updated_at <= stale_after(record.heartbeat_s)
+    return now - record.updated_at <= _stale_after(record.heartbeat_s)
 
 
 def decode(raw: bytes) -> WorkerPolicy | None:

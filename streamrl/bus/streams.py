@@ -30,7 +30,7 @@ class Entry:
     session: bytes | None = None
 
 
-def prompt_of(task_id: str) -> str:
+def _prompt_of(task_id: str) -> str:
     return task_id.rsplit(":", 1)[0]
 
 
@@ -112,7 +112,7 @@ def deadletter_call(
     args: list[Any] = [group, consumer, GROUP_DONE_TTL_S]
     for e, dl, score in items:
         tid = e.task_id or e.id
-        ks += [keys.session(tid) if with_session else keys.key("none"), keys.group(prompt_of(tid))]
+        ks += [keys.session(tid) if with_session else keys.key("none"), keys.group(_prompt_of(tid))]
         args += [e.id, e.fence, tid, dl, score]
     return ks, args
 

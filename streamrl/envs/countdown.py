@@ -20,7 +20,7 @@ from streamrl.envs.base import Environment, Prompt, Verdict, last_assistant_text
 from streamrl.schema import Item, Message, Task, Trajectory
 from streamrl.verifiers import countdown as checker
 
-PROMPT = (
+_PROMPT = (
     "Using the numbers {numbers}, write an expression that equals {target}. You may use "
     "+, -, * and / and parentheses; each number may be used at most once, not every number "
     "has to be used, and every division must be exact. Think it through, then give only the "
@@ -93,7 +93,7 @@ class CountdownEnv(Environment[CountdownState]):
 
     def generate(self, rng: random.Random, index: int) -> Prompt:
         numbers, target, solution = make_puzzle(rng, self.count, self.max_target)
-        text = PROMPT.format(numbers=", ".join(map(str, numbers)), target=target)
+        text = _PROMPT.format(numbers=", ".join(map(str, numbers)), target=target)
         return Prompt([user(text)], {"numbers": numbers, "target": target, "solution": solution})
 
     def reset(self, task: Task) -> CountdownState:

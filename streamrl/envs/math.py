@@ -25,8 +25,8 @@ from streamrl.envs.base import Environment, Prompt, Verdict, last_assistant_text
 from streamrl.schema import Item, Message, Task, Trajectory
 from streamrl.verifiers import math as checker
 
-INSTRUCTION = "Put your final answer in \\boxed{}."
-NAMES = ["Maya", "Omar", "Lena", "Kenji", "Ana", "Tom", "Priya", "Felix"]
+_INSTRUCTION = "Put your final answer in \\boxed{}."
+_NAMES = ["Maya", "Omar", "Lena", "Kenji", "Ana", "Tom", "Priya", "Felix"]
 
 
 class DatasetError(ValueError):
@@ -93,7 +93,7 @@ def _change(rng: random.Random) -> tuple[str, str]:
     bill = 50 if n * cents < 5000 else 100
     while n * cents >= bill * 100:
         n -= 1
-    name, price = rng.choice(NAMES), Fraction(cents, 100)
+    name, price = rng.choice(_NAMES), Fraction(cents, 100)
     question = (
         f"{name} buys {n} notebooks at ${_money(price)} each and pays with a ${bill} bill. "
         f"How many dollars of change does {name} get?"
@@ -104,7 +104,7 @@ def _change(rng: random.Random) -> tuple[str, str]:
 def _apples(rng: random.Random) -> tuple[str, str]:
     k, each, more = rng.randint(2, 6), rng.randint(2, 8), rng.randint(1, 30)
     start = k * each + rng.randint(0, 40)
-    name = rng.choice(NAMES)
+    name = rng.choice(_NAMES)
     question = (
         f"{name} has {start} apples, gives {each} to each of {k} friends and then picks "
         f"{more} more. How many apples does {name} have now?"
@@ -201,10 +201,10 @@ class MathEnv(Environment[MathState]):
         if self._rows is not None:
             row = self._rows[index % len(self._rows)]
             data = {"answer": row["answer"], "kind": "dataset", "line": row["line"]}
-            return Prompt([user(f"{row['question']}\n\n{INSTRUCTION}")], data)
+            return Prompt([user(f"{row['question']}\n\n{_INSTRUCTION}")], data)
         kind = self._kinds[index % len(self._kinds)]
         question, answer = KINDS[kind](rng)
-        return Prompt([user(f"{question}\n\n{INSTRUCTION}")], {"answer": answer, "kind": kind})
+        return Prompt([user(f"{question}\n\n{_INSTRUCTION}")], {"answer": answer, "kind": kind})
 
     def reset(self, task: Task) -> MathState:
         return MathState()

@@ -11,7 +11,7 @@ from typing import Any
 
 from streamrl.envs.base import Environment
 
-ENTRY_POINT_GROUP = "streamrl.envs"
+_ENTRY_POINT_GROUP = "streamrl.envs"
 
 BUILTIN: dict[str, str] = {
     "copy": "streamrl.envs.copy:CopyEnv",
@@ -50,7 +50,7 @@ def _load(path: str) -> type[Environment]:
 
 def available() -> dict[str, str]:
     found = dict(BUILTIN)
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
+    for ep in entry_points(group=_ENTRY_POINT_GROUP):
         found.setdefault(ep.name, ep.value)
     return found
 

@@ -1,65 +1,109 @@
-"""Checks a tool call's arguments against the JSON-schema subset that function tools use
-(object/properties/required/type/enum/items/additionalProperties/minimum/maximum), with a
-message a model can act on."""
+"""Checks a tool call's arguments against the tool's JSON Schema (with ``jsonschema``) and turns
+the first problem into one line a model can act on.
+
+Only the keywords function tools use are enforced: type, enum, minimum, maximum, required,
+properties, items and ``additionalProperties: false``; others are ignored. Types are JSON's
+(draft 4): a bool is neither an integer nor a number, 1.0 is a number but not an integer, and
+``true`` is not one of ``[1, 2]``.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
-_TYPES: dict[str, tuple[type, ...]] = {
-    "object": (dict,),
-    "array": (list,),
-    "string": (str,),
-    "integer": (int,),
-    "number": (int, float),
-    "boolean": (bool,),
-    "null": (type(None),),
-}
+from jsonschema import Draft4Validator, Draft202012Validator, validators
+from jsonschema.exceptions import UnknownType, ValidationError
+
+# the order in which one value's own problems are reported (before its properties' or items')
+_OWN = ("type", "enum", "minimum", "maximum", "required", "additionalProperties")
+_KEYWORDS = ("type", "enum", "minimum", "maximum", "required", "properties", "items")
 
 
-def _check(schema: dict[str, Any], value: Any, path: str) -> str | None:
-    expected = schema.get("type")
-    if expected is not None:
+def _no_extras(validator: Any, allowed: Any, instance: Any, schema: dict) -> Iterator[Any]:
+    """``additionalProperties: false`` only; a schema there is not enforced."""
+    if allowed is False:
+        yield from Draft202012Validator.VALIDATORS["additionalProperties"](
+            validator, allowed, instance, schema
+        )
+
+
+_Validator = validators.create(
+    meta_schema=Draft202012Validator.META_SCHEMA,
+    validators={
+        **{k: Draft202012Validator.VALIDATORS[k] for k in _KEYWORDS},
+        "additionalProperties": _no_extras,
+    },
+    type_checker=Draft4Validator.TYPE_CHECKER,
+)
+
+
+# validators by schema: a tool's schema is checked at every call, and building the validator
+# costs as much as the check; the schema is held so that its id() is not reused
+_BUILT: dict[int, tuple[dict, Any]] = {}
+
+
+def _validator(schema: dict[str, Any]) -> Any:
+    hit = _BUILT.get(id(schema))
+    if hit is None or hit[0] is not schema:
+        if len(_BUILT) >= 256:
+            _BUILT.pop(next(iter(_BUILT)))
+        hit = _BUILT[id(schema)] = (schema, _Validator({"type": "object", **schema}))
+    return hit[1]
+
+
+def _walk_order(schema: dict, error: ValidationError) -> list[tuple[int, int]]:
+    """The error's place in a depth-first walk that checks a value's own keywords (in ``_OWN``
+    order), then its properties in the schema's order, then its items: the first problem that
+    walk meets is the one reported, whatever order jsonschema found them in."""
+    order = []
+    node, steps, at = schema, list(error.relative_schema_path), iter(error.relative_path)
+    for i, step in enumerate(steps[:-1]):
+        if step == "properties":
+            name = steps[i + 1]
+            order.append((1, list(node["properties"]).index(name)))
+            node = node["properties"][name]
+            next(at)
+        elif step == "items":
+            order.append((1, next(at)))
+            node = node["items"]
+    order.append((0, _OWN.index(error.validator)))
+    return order
+
+
+def _where(error: ValidationError) -> str:
+    path = ""
+    for step in error.absolute_path:
+        path += f"[{step}]" if isinstance(step, int) else f".{step}" if path else step
+    return path
+
+
+def _message(error: ValidationError) -> str:
+    path, value, expected = _where(error), error.instance, error.validator_value
+    if error.validator == "type":
         names = expected if isinstance(expected, list) else [expected]
-        ok = False
-        for name in names:
-            types = _TYPES.get(name, (object,))
-            # bool is an int in Python but not in JSON schema
-            if isinstance(value, types) and not (isinstance(value, bool) and name != "boolean"):
-                ok = True
-        if not ok:
-            return f"{path or 'arguments'} must be {' or '.join(names)}, got {type(value).__name__}"
-    if "enum" in schema and value not in schema["enum"]:
-        return f"{path or 'value'} must be one of {schema['enum']}"
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if "minimum" in schema and value < schema["minimum"]:
-            return f"{path} must be >= {schema['minimum']}"
-        if "maximum" in schema and value > schema["maximum"]:
-            return f"{path} must be <= {schema['maximum']}"
-    if isinstance(value, dict):
-        props = schema.get("properties", {})
-        for name in schema.get("required", []):
-            if name not in value:
-                return f"missing required argument {name!r}"
-        if schema.get("additionalProperties") is False:
-            extra = sorted(set(value) - set(props))
-            if extra:
-                return f"unexpected argument(s) {', '.join(map(repr, extra))}"
-        for name, sub in props.items():
-            if name in value:
-                problem = _check(sub, value[name], f"{path}.{name}" if path else name)
-                if problem:
-                    return problem
-    if isinstance(value, list) and "items" in schema:
-        for i, v in enumerate(value):
-            problem = _check(schema["items"], v, f"{path}[{i}]")
-            if problem:
-                return problem
-    return None
+        return f"{path or 'arguments'} must be {' or '.join(names)}, got {type(value).__name__}"
+    if error.validator == "enum":
+        return f"{path or 'value'} must be one of {expected}"
+    if error.validator == "minimum":
+        return f"{path} must be >= {expected}"
+    if error.validator == "maximum":
+        return f"{path} must be <= {expected}"
+    if error.validator == "required":
+        return f"missing required argument {next(n for n in expected if n not in value)!r}"
+    extra = sorted(set(value) - set(error.schema.get("properties", {})))
+    return f"unexpected argument(s) {', '.join(map(repr, extra))}"
 
 
 def validate_arguments(schema: dict[str, Any], args: Any) -> str | None:
     """None when ``args`` fits ``schema``, else what is wrong."""
     if not schema:
         return None if isinstance(args, dict) else "arguments must be a JSON object"
-    return _check({"type": "object", **schema}, args, "")
+    validator = _validator(schema)
+    try:
+        errors = list(validator.iter_errors(args))
+    except UnknownType:  # a type JSON Schema does not have: the schema is not checked
+        return None
+    if not errors:
+        return None
+    return _message(min(errors, key=lambda e: _walk_order(validator.schema, e)))

@@ -58,7 +58,7 @@ _S = {"type": "string"}
 _ADDRESSES = {"type": "array", "items": {"type": "string"}}
 _DAY = {"type": "string", "description": "YYYY-MM-DD"}
 _TIME = {"type": "string", "description": "HH:MM, 24-hour"}
-TOOLS = [
+_TOOLS = [
     _tool("search_contacts", "Find colleagues by name, email, team or title.", ["query"], query=_S),
     _tool(
         "list_emails",
@@ -123,7 +123,7 @@ class WorkplaceEnv(Environment[WorkplaceState]):
     name = "workplace"
     version = "1"
     State = WorkplaceState
-    tools = TOOLS
+    tools = _TOOLS
 
     def generate(self, rng: random.Random, index: int) -> Prompt:
         return tasks.generate(rng, index, self.reset_world)

@@ -28,7 +28,7 @@ class RedisNotInstalled(RuntimeError):
     pass
 
 
-INSTALL_HINT = (
+_INSTALL_HINT = (
     "streamrl needs a Redis server. Either pass --redis URL (or set STREAMRL_REDIS_URL) to use "
     "an existing one, or install redis-server so streamrl can start a private one: "
     "`apt-get install redis-server` (Debian/Ubuntu), `brew install redis` (macOS), "
@@ -71,7 +71,7 @@ class EmbeddedRedis:
     def start(self) -> EmbeddedRedis:
         exe = shutil.which("redis-server")
         if exe is None:
-            raise RedisNotInstalled(INSTALL_HINT)
+            raise RedisNotInstalled(_INSTALL_HINT)
         self.directory.mkdir(parents=True, exist_ok=True)
         args = [
             exe,

@@ -33,7 +33,7 @@ from setproctitle import setproctitle, setthreadtitle
 
 # What the roles import before their first useful line; a module missing here is simply
 # imported by the child (the server skips what fails to import).
-PRELOAD = [
+_PRELOAD = [
     "streamrl.local.prefork_server",  # names the server in `ps`
     "torch",
     "transformers",
@@ -154,12 +154,12 @@ def _call(fn: Callable[..., Any], args: tuple) -> None:
 
 class Prefork:
     """Start ``python -m`` commands as children of one fork server that has imported
-    ``PRELOAD``. ``env`` is the server's environment (thread counts must be set before torch
+    ``_PRELOAD``. ``env`` is the server's environment (thread counts must be set before torch
     is imported); each child gets its own."""
 
     def __init__(self, env: dict[str, str] | None = None):
         self._ctx = multiprocessing.get_context("forkserver")
-        self._ctx.set_forkserver_preload(PRELOAD)
+        self._ctx.set_forkserver_preload(_PRELOAD)
         with _environ(env or {}):
             multiprocessing.forkserver.ensure_running()  # returns at once; imports go on
 

@@ -1,4 +1,5 @@
-"""Starting and stopping real rq worker processes for ``streamrl demo`` and ``bench``."""
+"""Starting and stopping real rq worker processes for ``streamrl demo`` and ``bench``; their
+process trees and CPU times come from psutil."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-WORKER_CLASS = "streamrl.workers.LeaseWorker"
+import psutil
+
+_WORKER_CLASS = "streamrl.workers.LeaseWorker"
 
 
 def rq_worker_cmd(url: str, queue: str, name: str | None = None, quiet: bool = True) -> list[str]:
     """Plain ``rq worker`` with streamrl's worker class (self-healing, JSON serializer)."""
-    cmd = [sys.executable, "-m", "rq.cli", "worker", "-u", url, "-w", WORKER_CLASS, "-S", "json"]
+    cmd = [sys.executable, "-m", "rq.cli", "worker", "-u", url, "-w", _WORKER_CLASS, "-S", "json"]
     cmd.append(queue)
     if name:
         cmd += ["--name", name]
@@ -28,46 +31,12 @@ def rq_worker_cmd(url: str, queue: str, name: str | None = None, quiet: bool = T
     return cmd
 
 
-def _stat(pid: int | str) -> list[str] | None:
-    """``/proc/PID/stat``'s fields after the command name (field 1 is the parent pid, 11..14
-    the CPU times), or None when the process is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return raw[raw.rindex(")") + 2 :].split()
-
-
-def proc_table() -> tuple[dict[int, list[int]], dict[int, list[str]]]:
-    """Every process in /proc: children by parent pid, and each pid's ``_stat`` fields."""
-    children: dict[int, list[int]] = {}
-    stats: dict[int, list[str]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or (fields := _stat(entry.name)) is None:
-            continue
-        pid = int(entry.name)
-        stats[pid] = fields
-        children.setdefault(int(fields[1]), []).append(pid)
-    return children, stats
-
-
-def tree(roots: list[int], children: dict[int, list[int]]) -> list[int]:
-    """``roots`` and all their descendants, each once."""
-    out, stack, seen = [], list(roots), set()
-    while stack:
-        pid = stack.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        out.append(pid)
-        stack += children.get(pid, [])
-    return out
-
-
 def descendants(pid: int) -> list[int]:
-    """Every living descendant of ``pid``."""
-    children, _ = proc_table()
-    return tree([pid], children)[1:]
+    """Every living descendant of ``pid`` (none once it is gone)."""
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
@@ -165,24 +134,41 @@ class WorkerProcs:
         self.procs.clear()
 
 
-_TICK = os.sysconf("SC_CLK_TCK")
+def _family(roots: list[int]) -> list[psutil.Process]:
+    """``roots`` and all their descendants, each once (those still alive)."""
+    found: dict[int, psutil.Process] = {}
+    for pid in roots:
+        try:
+            root = psutil.Process(pid)
+            for p in [root, *root.children(recursive=True)]:
+                found.setdefault(p.pid, p)
+        except psutil.NoSuchProcess:
+            continue
+    return list(found.values())
+
+
+def _cpu(p: psutil.Process, children: bool) -> float:
+    """``p``'s CPU seconds, with those of its reaped children (cutime, cstime) if asked; 0 once
+    it is gone."""
+    try:
+        t = p.cpu_times()
+    except psutil.NoSuchProcess:
+        return 0.0
+    return t.user + t.system + (t.children_user + t.children_system if children else 0.0)
 
 
 def tree_cpu(roots: list[int]) -> float:
     """CPU seconds used by ``roots`` and all their descendants, living or reaped (a reaped
     child's time is in its parent's cutime/cstime)."""
-    children, stats = proc_table()
-    return sum(
-        sum(int(x) for x in stats[pid][11:15]) / _TICK  # utime stime cutime cstime
-        for pid in tree(roots, children)
-        if pid in stats
-    )
+    return sum(_cpu(p, children=True) for p in _family(roots))
 
 
 def own_cpu(pid: int) -> float:
     """CPU seconds ``pid`` itself used (not its children's)."""
-    fields = _stat(pid)
-    return (int(fields[11]) + int(fields[12])) / _TICK if fields else 0.0
+    try:
+        return _cpu(psutil.Process(pid), children=False)
+    except psutil.NoSuchProcess:
+        return 0.0
 
 
 def self_cpu() -> float:

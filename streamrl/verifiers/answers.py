@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-MAX_ANSWER_CHARS = 500  # a boxed answer longer than this is not looked for (bounds the scan)
+_MAX_ANSWER_CHARS = 500  # a boxed answer longer than this is not looked for (bounds the scan)
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _TAG = re.compile(r"<answer>(.*?)</answer>", re.S | re.I)
@@ -24,7 +24,7 @@ def boxed(text: str) -> list[str]:
     """Contents of every well-formed ``\\boxed{...}``; an unclosed one is not an answer."""
     found = []
     for m in _BOXED.finditer(text):
-        depth, i, stop = 1, m.end(), min(len(text), m.end() + MAX_ANSWER_CHARS)
+        depth, i, stop = 1, m.end(), min(len(text), m.end() + _MAX_ANSWER_CHARS)
         while i < stop and depth:
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             i += 1
@@ -33,7 +33,7 @@ def boxed(text: str) -> list[str]:
     return found
 
 
-def clean(candidate: str) -> str:
+def _clean(candidate: str) -> str:
     """Drop what wraps an answer but is not part of it: blanks, $...$, bold, a final period."""
     s = candidate.strip()
     for _ in range(2):
@@ -48,11 +48,11 @@ def final_answers(text: str) -> list[str]:
     """Every candidate final answer in ``text``, cleaned (see the module docstring)."""
     marked = boxed(text) + _TAG.findall(text)
     if marked:
-        return [clean(c) for c in marked]
+        return [_clean(c) for c in marked]
     lines = [ln for ln in text.splitlines() if ln.strip()]
     answer_lines = [m.group(1) for ln in lines if (m := _ANSWER_LINE.match(ln))]
     if answer_lines:
-        return [clean(c) for c in answer_lines]
+        return [_clean(c) for c in answer_lines]
     if not lines:
         return []
-    return [clean(_LEAD.sub("", lines[-1], count=1))]
+    return [_clean(_LEAD.sub("", lines[-1], count=1))]

@@ -3,7 +3,7 @@
 The harness runs in the sandbox next to ``solution.py``: it loads the solution, calls the
 function on each hidden test's arguments and reports only the **outputs** (as JSON), one line
 per test tagged with a per-run random nonce. Whether a test passed is decided here, outside
-the sandbox, by comparing canonical JSON with the expected value, which never enters the
+the sandbox, by comparing _canonical JSON with the expected value, which never enters the
 sandbox. So printing "PASS", exiting early with code 0, or rewriting the harness's reporting
 cannot earn credit: the only way to report a right output is to compute it. The nonce just
 keeps the solution's own prints from being parsed as results by accident.
@@ -41,7 +41,7 @@ _FENCE = re.compile(
     r"^ {0,3}```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)^ {0,3}```", re.DOTALL | re.MULTILINE
 )
 
-HARNESS = r"""
+_HARNESS = r"""
 import copy, json, os, signal, sys
 
 NONCE, FUNCTION, PER_TEST_S = sys.argv[1], sys.argv[2], float(sys.argv[3])
@@ -154,7 +154,7 @@ def solution_code(
     return (chosen or extract_code(text)), ""
 
 
-def canonical(value: Any) -> str:
+def _canonical(value: Any) -> str:
     """JSON text with sorted keys: ``True`` and ``1`` differ, tuples equal lists."""
     return json.dumps(value, sort_keys=True)
 
@@ -171,7 +171,7 @@ def run_tests(
     """Run ``function`` from ``solution`` on each test's ``args``; compare with ``expected``."""
     nonce = secrets.token_hex(16)
     result = run_python(
-        HARNESS,
+        _HARNESS,
         files={"solution.py": solution, "tests.json": json.dumps([t["args"] for t in tests])},
         args=[nonce, function, str(per_test_s)],
         timeout_s=timeout_s,
@@ -203,7 +203,7 @@ def run_tests(
         if (
             got is not None
             and "out" in got
-            and canonical(got["out"]) == canonical(test["expected"])
+            and _canonical(got["out"]) == _canonical(test["expected"])
         ):
             passed += 1
         elif not failure:
@@ -212,7 +212,7 @@ def run_tests(
             elif "error" in got:
                 failure = f"test {i}: {got['error']}"
             else:
-                failure = f"test {i}: got {canonical(got['out'])[:80]}"
+                failure = f"test {i}: got {_canonical(got['out'])[:80]}"
     if not loaded:
         passed = 0
     return TestReport(

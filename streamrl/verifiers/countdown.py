@@ -25,7 +25,7 @@ from streamrl.verifiers.answers import final_answers
 from streamrl.verifiers.verdict import Verdict
 
 VALID_CREDIT = 0.1
-MAX_CHARS = 200
+_MAX_CHARS = 200
 
 _TOKEN = re.compile(r"\s*(?:(\d+)|([-+*/()]))")
 _SYMBOLS = str.maketrans({"×": "*", "·": "*", "÷": "/", "−": "-"})
@@ -100,7 +100,7 @@ class _Evaluator:
 
 def evaluate(expression: str, numbers: list[int], target: int | None = None) -> int:
     """The value of ``expression`` under the rules above; ``RuleError`` says what is wrong."""
-    if len(expression) > MAX_CHARS:
+    if len(expression) > _MAX_CHARS:
         raise RuleError("too long")
     lhs, eq, rhs = expression.partition("=")
     if eq:

@@ -30,11 +30,11 @@ from streamrl.verifiers.verdict import Verdict
 Monomial = tuple[tuple[str, int], ...]  # sorted (variable, power) pairs; () is the constant
 Poly = dict[Monomial, Fraction]
 
-MAX_CHARS = 300
-MAX_DEPTH = 60
-MAX_POWER = 64
-MAX_BITS = 2048
-MAX_TERMS = 256
+_MAX_CHARS = 300
+_MAX_DEPTH = 60
+_MAX_POWER = 64
+_MAX_BITS = 2048
+_MAX_TERMS = 256
 
 
 class ParseError(ValueError):
@@ -80,10 +80,10 @@ def _tokens(text: str) -> list[tuple[str, str]]:
 
 def _check(p: Poly) -> Poly:
     p = {k: v for k, v in p.items() if v}
-    if len(p) > MAX_TERMS:
+    if len(p) > _MAX_TERMS:
         raise ParseError("too many terms")
     for v in p.values():
-        if v.numerator.bit_length() > MAX_BITS or v.denominator.bit_length() > MAX_BITS:
+        if v.numerator.bit_length() > _MAX_BITS or v.denominator.bit_length() > _MAX_BITS:
             raise ParseError("number too large")
     return p
 
@@ -129,7 +129,7 @@ class _Parser:
 
     def expr(self) -> Poly:
         self.depth += 1
-        if self.depth > MAX_DEPTH:
+        if self.depth > _MAX_DEPTH:
             raise ParseError("nested too deeply")
         p = self.term()
         while (tok := self.peek()) and tok[1] in "+-" and tok[0] == "op":
@@ -171,7 +171,7 @@ class _Parser:
             return base
         self.take()
         n = _constant(self.unary())
-        if n is None or n.denominator != 1 or not 0 <= n <= MAX_POWER:
+        if n is None or n.denominator != 1 or not 0 <= n <= _MAX_POWER:
             raise ParseError("exponents must be whole numbers from 0 to 64")
         out: Poly = {(): Fraction(1)}
         for _ in range(int(n)):
@@ -209,7 +209,7 @@ class _Parser:
 
 def parse(text: str) -> Poly:
     """``text`` as a polynomial with exact coefficients; ``ParseError`` if it is not one."""
-    if len(text) > MAX_CHARS:
+    if len(text) > _MAX_CHARS:
         raise ParseError("too long to be an answer")
     parser = _Parser(_tokens(text))
     if parser.peek() is None:
@@ -220,7 +220,7 @@ def parse(text: str) -> Poly:
     return _check(p)
 
 
-def normalize(text: str) -> str:
+def _normalize(text: str) -> str:
     """The string fallback for answers that are not math: case, blanks and wrappers dropped."""
     text = re.sub(r"\\text\s*\{([^{}]*)\}", r"\1", text)
     return re.sub(r"[\s$]+", "", text).lower().removesuffix(".")
@@ -232,7 +232,7 @@ def equivalent(answer: str, expected: str) -> bool:
     try:
         want = parse(expected)
     except ParseError:
-        return bool(normalize(answer)) and normalize(answer) == normalize(expected)
+        return bool(_normalize(answer)) and _normalize(answer) == _normalize(expected)
     try:
         answer = _equation_rhs(answer)
         if _constant(want) is not None and not _is_number(answer):

@@ -47,7 +47,7 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -94,7 +94,7 @@ def _world_usable(path: str) -> bool:
         return False
 
 
-def find_python(for_other_uid: bool) -> str:
+def _find_python(for_other_uid: bool) -> str:
     """Our own interpreter when the sandbox uid can use it, else a system python3.
 
     A pyenv or venv under /root (mode 0700) is unreachable once we drop to another uid."""
@@ -110,6 +110,10 @@ def find_python(for_other_uid: bool) -> str:
 
 
 # ---------------------------------------------------------------- processes of a uid
+# Our own /proc reader, not psutil (which streamrl.local uses): the owner of /proc/<pid> is the
+# process's effective uid, so one stat() per entry finds a sandbox uid's processes without
+# opening and parsing each /proc/<pid>/status. It runs every 5 ms in the kill loop until the
+# uid has nothing left, and once per pass of ``_pick_uid``.
 
 
 def _is_zombie(pid: int) -> bool:
@@ -230,7 +234,7 @@ def run_python(
     cpu_limit = int(max(1, round(cpu_s if cpu_s is not None else timeout_s)))
     as_root = os.geteuid() == 0
     uid = _pick_uid() if as_root else None
-    python = find_python(for_other_uid=uid is not None)
+    python = _find_python(for_other_uid=uid is not None)
     workdir = tempfile.mkdtemp(prefix="srl-sandbox-")
     try:
         for name, content in {**(files or {}), "main.py": source}.items():
@@ -276,12 +280,38 @@ def run_python(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+class _Run:
+    """What the parent has seen of one run so far."""
+
+    def __init__(self, proc: subprocess.Popen, uid: int | None):
+        self.proc = proc
+        self.uid = uid
+        self.out: dict[Any, bytearray] = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+        self.status: int | None = None  # the wait status, once the program has exited
+        self.usage: Any = None  # its rusage, with the status
+        self.timed_out = False
+        self.over = False  # more output than the cap
+
+
 def _supervise(
     cfg: dict, status_r: int, status_w: int, stdin_file, timeout_s: float, cap: int
 ) -> SandboxResult:
+    """Launch, read the output, kill and reap whatever is left (always), then judge."""
     start = time.monotonic()
+    run = _Run(_launch(cfg, status_r, status_w, stdin_file), cfg["uid"])
     try:
-        proc = subprocess.Popen(
+        report = _read_status(status_r, start + 10.0)
+        _collect(run, start + timeout_s, cap)
+    finally:
+        _reap(run)
+    return _result(run, report, cfg["rlimits"]["RLIMIT_CPU"][0], cap, start)
+
+
+def _launch(cfg: dict, status_r: int, status_w: int, stdin_file) -> subprocess.Popen:
+    """Start the launcher in a session of its own; the parent keeps only the status pipe's read
+    end (closed too if the start fails)."""
+    try:
+        return subprocess.Popen(
             [sys.executable, "-I", "-S", _LAUNCHER, json.dumps(cfg)],
             stdin=stdin_file,
             stdout=subprocess.PIPE,
@@ -296,62 +326,67 @@ def _supervise(
         raise
     finally:
         os.close(status_w)
-    uid = cfg["uid"]
-    deadline = start + timeout_s
-    out = {proc.stdout: bytearray(), proc.stderr: bytearray()}
-    timed_out = over = False
-    status: int | None = None
-    usage = None
-    try:
-        report = _read_status(status_r, start + 10.0)
-        sel = selectors.DefaultSelector()
-        for f in out:
+
+
+def _collect(run: _Run, deadline: float, cap: int) -> None:
+    """Read stdout and stderr until both close, the wall deadline passes or one exceeds the
+    cap. Once the program exits, whatever it left behind is killed: it would hold the pipes
+    open."""
+    with selectors.DefaultSelector() as sel:
+        for f in run.out:
             sel.register(f, selectors.EVENT_READ)
         while sel.get_map():
-            if status is None:
-                pid, st, ru = os.wait4(proc.pid, os.WNOHANG)
+            if run.status is None:
+                pid, st, ru = os.wait4(run.proc.pid, os.WNOHANG)
                 if pid:
-                    status, usage = st, ru
-                    _kill_all(proc.pid, uid)  # leftovers would hold the pipes open
-            if status is None and time.monotonic() >= deadline:
-                timed_out = True
-                break
+                    run.status, run.usage = st, ru
+                    _kill_all(run.proc.pid, run.uid)
+            if run.status is None and time.monotonic() >= deadline:
+                run.timed_out = True
+                return
             for key, _ in sel.select(timeout=0.05):
                 chunk = os.read(key.fd, 65536)
                 if not chunk:
                     sel.unregister(key.fileobj)
                     continue
-                out[key.fileobj] += chunk
-                if len(out[key.fileobj]) > cap:
-                    over = True
-            if over:
-                break
-        sel.close()
-    finally:
-        _kill_all(proc.pid, uid)
-        if status is None:
-            _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        for f in out:
-            f.close()
-    cpu = usage.ru_utime + usage.ru_stime if usage else 0.0
-    stdout = out[proc.stdout][:cap].decode(errors="replace")
-    stderr = out[proc.stderr][:cap].decode(errors="replace")
-    code, limit = _classify(status, stderr, cpu, cfg["rlimits"]["RLIMIT_CPU"][0])
-    if over:
+                run.out[key.fileobj] += chunk
+                if len(run.out[key.fileobj]) > cap:
+                    run.over = True
+            if run.over:
+                return
+
+
+def _reap(run: _Run) -> None:
+    """Kill everything the run left, wait for the program (if it has not exited yet) and close
+    its pipes."""
+    _kill_all(run.proc.pid, run.uid)
+    if run.status is None:
+        _, run.status, run.usage = os.wait4(run.proc.pid, 0)
+    run.proc.returncode = os.waitstatus_to_exitcode(run.status)
+    for f in run.out:
+        f.close()
+
+
+def _result(run: _Run, report: dict, cpu_limit: float, cap: int, start: float) -> SandboxResult:
+    assert run.status is not None
+    cpu = run.usage.ru_utime + run.usage.ru_stime if run.usage else 0.0
+    stdout = run.out[run.proc.stdout][:cap].decode(errors="replace")
+    stderr = run.out[run.proc.stderr][:cap].decode(errors="replace")
+    code, limit = _classify(run.status, stderr, cpu, cpu_limit)
+    if run.over:
         limit = "output"
-    if timed_out:
+    if run.timed_out:
         limit = "wall"
     return SandboxResult(
         exit_code=code,
         stdout=stdout,
         stderr=stderr,
-        timed_out=timed_out,
+        timed_out=run.timed_out,
         limit_hit=limit,
         seconds=round(time.monotonic() - start, 4),
         cpu_seconds=round(cpu, 4),
         network_isolated=report.get("network") is not None,
         private_tmp=bool(report.get("private_tmp")),
-        uid=report.get("uid") if uid is not None else None,
+        uid=report.get("uid") if run.uid is not None else None,
         notes=report.get("notes", []),
     )

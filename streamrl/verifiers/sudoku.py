@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import random
 
-BOXES = {4: (2, 2), 6: (2, 3), 9: (3, 3)}
+_BOXES = {4: (2, 2), 6: (2, 3), 9: (3, 3)}
 
 
 def box_shape(size: int) -> tuple[int, int]:
-    if size not in BOXES:
-        raise ValueError(f"sudoku size must be one of {sorted(BOXES)}, got {size}")
-    return BOXES[size]
+    if size not in _BOXES:
+        raise ValueError(f"sudoku size must be one of {sorted(_BOXES)}, got {size}")
+    return _BOXES[size]
 
 
 def _units(size: int) -> list[tuple[int, int, int]]:

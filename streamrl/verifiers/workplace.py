@@ -63,7 +63,7 @@ def _words(s: str) -> str:
     return " ".join(s.lower().split())
 
 
-def email_matches(email: Email, spec: EmailSpec) -> bool:
+def _email_matches(email: Email, spec: EmailSpec) -> bool:
     subject, body = _words(email.subject), _words(email.body)
     return (
         {a.lower() for a in email.to} == {a.lower() for a in spec.to}
@@ -79,7 +79,7 @@ def _event_key(e: Event | EventSpec, me: str) -> tuple:
     return (_words(e.title), e.day, e.start, e.end, people)
 
 
-def expected_calendar(initial: WorkplaceState, changes: EventChanges) -> list[tuple]:
+def _expected_calendar(initial: WorkplaceState, changes: EventChanges) -> list[tuple]:
     keys = []
     for event in initial.events:
         if event.id in changes.remove:
@@ -91,7 +91,7 @@ def expected_calendar(initial: WorkplaceState, changes: EventChanges) -> list[tu
     return sorted(keys)
 
 
-def answer_ok(text: str, spec: AnswerSpec, seen: list[str]) -> bool:
+def _answer_ok(text: str, spec: AnswerSpec, seen: list[str]) -> bool:
     """The text names the value and no other number; the value's record was shown."""
     want = re.sub(r"\D", "", spec.value)
     if spec.kind == "phone":  # join digit groups: "+1 (555) 014-2" -> "15550142"
@@ -110,14 +110,14 @@ def check(initial: WorkplaceState, final: WorkplaceState, expect: Expect, text: 
     unmatched = list(sent)
     emails_ok = len(sent) == len(expect.emails)
     for spec in expect.emails:
-        hit = next((e for e in unmatched if email_matches(e, spec)), None)
+        hit = next((e for e in unmatched if _email_matches(e, spec)), None)
         if hit is None:
             emails_ok = False
         else:
             unmatched.remove(hit)
     calendar = sorted(_event_key(e, final.me) for e in final.events)
-    events_ok = calendar == expected_calendar(initial, expect.events)
-    answered = expect.answer is None or answer_ok(text, expect.answer, final.seen)
+    events_ok = calendar == _expected_calendar(initial, expect.events)
+    answered = expect.answer is None or _answer_ok(text, expect.answer, final.seen)
     reward = float(emails_ok and events_ok and answered)
     return Verdict(
         reward=reward,

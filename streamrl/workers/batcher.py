@@ -8,20 +8,20 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
-T = TypeVar("T")
-R = TypeVar("R")
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
-class Batcher(Generic[T, R]):
-    def __init__(self, flush: Callable[[list[T]], Awaitable[Sequence[R]]], max_batch: int = 512):
+class Batcher(Generic[_T, _R]):
+    def __init__(self, flush: Callable[[list[_T]], Awaitable[Sequence[_R]]], max_batch: int = 512):
         self._flush = flush
         self._max = max_batch
-        self._pending: list[tuple[T, asyncio.Future[R]]] = []
+        self._pending: list[tuple[_T, asyncio.Future[_R]]] = []
         self._running = False
         self._task: asyncio.Future | None = None
 
-    async def submit(self, item: T) -> R:
-        fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+    async def submit(self, item: _T) -> _R:
+        fut: asyncio.Future[_R] = asyncio.get_running_loop().create_future()
         self._pending.append((item, fut))
         if not self._running:
             self._running = True

@@ -47,7 +47,7 @@ _data: dict[str, Any] = {}
 def data_url(control: redis.Redis) -> str:
     """The run's data Redis: ``STREAMRL_DATA_URL`` when the worker was given one (a Redis
     Cluster, or any Redis other than rq's), else rq's own server."""
-    return os.environ.get(ENV_DATA_URL) or url_of(control)
+    return os.environ.get(ENV_DATA_URL) or _url_of(control)
 
 
 def data_connection(control: redis.Redis) -> Any:
@@ -60,11 +60,6 @@ def data_connection(control: redis.Redis) -> Any:
     if client is None:
         client = _data[url] = connect(url, resilient=True)
     return client
-
-
-def current_connection() -> Any:
-    """The data client of the job running now (see ``data_connection``)."""
-    return data_connection(control_connection())
 
 
 def async_twin(conn: Any) -> Any:
@@ -83,7 +78,7 @@ def async_twin(conn: Any) -> Any:
     )
 
 
-def url_of(conn: redis.Redis) -> str:
+def _url_of(conn: redis.Redis) -> str:
     """A URL for the server behind a client, for components that open their own connection."""
     kw = conn.connection_pool.connection_kwargs
     if kw.get("path"):

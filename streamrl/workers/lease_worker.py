@@ -54,7 +54,7 @@ from streamrl.workers import leases
 from streamrl.workers.context import data_connection
 
 
-def listed_runs(r: redis.Redis) -> list[str]:
+def _listed_runs(r: redis.Redis) -> list[str]:
     """Runs that want leases: listed, configured, and not halted. A run whose config is gone
     (deleted, flushed) is unlisted on the way."""
     runs = sorted(x.decode() for x in r.smembers(RUNS_KEY))
@@ -84,7 +84,7 @@ def ensure_leases(r: redis.Redis, queue_names: list[str], data: object = None) -
         return 0
     d = r if data is None else data
     added = 0
-    for run in listed_runs(d):  # type: ignore[arg-type]
+    for run in _listed_runs(d):  # type: ignore[arg-type]
         for keys in run_shards(d, run):
             for name in names:
                 if leases.has_work(d, name, run, keys.shard):  # type: ignore[arg-type]

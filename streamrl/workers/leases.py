@@ -39,7 +39,7 @@ def queue(r: redis.Redis, name: str) -> Queue:
     return Queue(name, connection=r, serializer=JSONSerializer)
 
 
-def lease_timeout(r: redis.Redis, name: str, run: str, seconds: float | None = None) -> int:
+def _lease_timeout(r: redis.Redis, name: str, run: str, seconds: float | None = None) -> int:
     """rq's job timeout for one lease: the lease's length (``seconds``, else the run config's
     ``lease_seconds``), its drain, and a grace. rq kills a horse that runs past it, so a
     timeout taken from the default length cut every longer lease short (the demo's 600 s
@@ -64,7 +64,7 @@ def lease_timeout(r: redis.Redis, name: str, run: str, seconds: float | None = N
     return int(lease_s + drain_s + LEASE_JOB_TIMEOUT_GRACE)
 
 
-def enqueue(
+def _enqueue(
     r: redis.Redis,
     name: str,
     run: str,
@@ -79,7 +79,7 @@ def enqueue(
     queue(r, name).enqueue(
         ROLES[name],
         *args,
-        job_timeout=lease_timeout(data if data is not None else r, name, run, seconds),
+        job_timeout=_lease_timeout(data if data is not None else r, name, run, seconds),
         result_ttl=300,
         failure_ttl=24 * 3600,
         description=f"{name} lease for run {run!r}{where}",
@@ -115,7 +115,7 @@ def top_up(
     )
     missing = max(0, waiting - queued)
     for _ in range(missing):
-        enqueue(r, name, run, seconds, data=data, shard=shard)
+        _enqueue(r, name, run, seconds, data=data, shard=shard)
     return missing
 
 
@@ -190,7 +190,7 @@ def workers(r: redis.Redis, name: str) -> list[Worker]:
     return Worker.all(queue=queue(r, name))
 
 
-def is_live(worker: Worker, now: float | None = None) -> bool:
+def _is_live(worker: Worker, now: float | None = None) -> bool:
     """Alive by rq's heartbeat: a SIGKILLed worker stays registered until its key expires,
     but stops heartbeating at once."""
     beat = worker.last_heartbeat
@@ -204,7 +204,7 @@ def queue_health(r: redis.Redis, name: str) -> dict:
     """Per queue: live workers, how many of them are busy, leases waiting, failed leases."""
     now = time.time()
     registered = workers(r, name)
-    live = [w for w in registered if is_live(w, now)]
+    live = [w for w in registered if _is_live(w, now)]
     return {
         "workers": len(live),
         "busy": sum(1 for w in live if _state(w) == "busy"),

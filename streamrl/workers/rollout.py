@@ -8,12 +8,13 @@ The worker keeps nothing between episodes: each episode's session is checkpointe
 after every turn, and an episode whose worker died is reclaimed by another worker after
 ``claim_idle_ms`` and resumed from its last committed turn.
 
-Policy health (``streamrl.bus.health``): a lease starts by loading the newest announced policy
-version, and on every heartbeat asks the backend to look for a newer one and records the version
-it serves and its last reload error in the run's ``policy_health`` hash. A worker that stays
-more than ``max_staleness`` versions behind for longer than ``rollout.max_policy_lag_s`` stops
-taking tasks, cancels its episodes (their entries stay pending, for other workers to reclaim),
-sets the run's fault and fails the lease with ``PolicyStale``.
+Policy health (``streamrl.workers.policy_watch``): a lease starts by loading the newest
+announced policy version, and on every heartbeat asks the backend to look for a newer one and
+records the version it serves and its last reload error in the run's ``policy_health`` hash. A
+worker that stays more than ``max_staleness`` versions behind for longer than
+``rollout.max_policy_lag_s`` stops taking tasks, cancels its episodes (their entries stay
+pending, for other workers to reclaim), sets the run's fault and fails the lease with
+``PolicyStale``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from streamrl.config import RunConfig
 from streamrl.defaults import ROLLOUT_GROUP, ROLLOUT_QUEUE
 from streamrl.envs import EnvUnavailable, make_env
 from streamrl.policy import PolicyError, make_policy
-from streamrl.policy._versions import latest_version
 from streamrl.workers import leases
 from streamrl.workers.batcher import Batcher
 from streamrl.workers.context import (
@@ -53,11 +53,18 @@ from streamrl.workers.context import (
     read_config,
 )
 from streamrl.workers.episode import LostClaim, anew_session, finish, run_episode
+from streamrl.workers.policy_watch import PolicyWatch
 
 log = structlog.get_logger("streamrl.rollout")
 
 
-class RolloutLease:
+class _DeadLetter(msgspec.Struct, frozen=True):
+    """An episode's outcome when its task can never be played: why, for the dead letters."""
+
+    reason: str
+
+
+class _RolloutLease:
     def __init__(
         self,
         r: Any,
@@ -83,9 +90,7 @@ class RolloutLease:
         self.commits: Batcher = Batcher(self._flush_commits)
         self.finishes: Batcher = Batcher(self._flush_finishes)
         self.cursor = "0-0"
-        self.health: schema.WorkerPolicy | None = None  # this worker's last policy record
-        self.stale: str | None = None  # set when the staleness guard trips: the lease fails
-        self._refreshing: asyncio.Task | None = None
+        self.watch = PolicyWatch(r, self.keys, consumer, wake=self.slot)
 
     # ---------------------------------------------------------------- Redis calls (batched)
     async def _flush_commits(self, items: list[tuple[Entry, schema.Session]]) -> list[int]:
@@ -134,64 +139,10 @@ class RolloutLease:
             log.info("claimed", count=len(entries), own=own, consumer=self.consumer)
         return entries
 
-    # ---------------------------------------------------------------- policy health
-    async def _load_health(self) -> None:
-        """Pick up this worker's record from its previous lease (a worker already behind stays
-        behind since then: leases are shorter than ``max_policy_lag_s``), and drop the records
-        of workers that went quiet."""
-        now = time.time()
-        quiet = []
-        for field, raw in (await self.r.hgetall(self.keys.policy_health)).items():
-            record = health.decode(raw)
-            if record is None or not health.is_fresh(record, now):
-                quiet.append(field)
-            elif record.worker == self.consumer:
-                self.health = record
-        if quiet:
-            await self.r.hdel(self.keys.policy_health, *quiet)
-
-    async def _check_policy(self) -> None:
-        """Record the version this worker serves; trip the staleness guard, or take back the
-        fault this worker raised once it is recent enough again."""
-        cfg = self.config
-        latest = await latest_version(self.r, self.keys)
-        now = time.time()
-        record = health.observe(
-            self.health,
-            worker=self.consumer,
-            backend=self.policy.name,
-            version=self.policy.version,
-            newest=latest.version if latest is not None else None,
-            error=self.policy.reload_error,
-            max_staleness=health.max_staleness(cfg),
-            heartbeat_s=cfg.streams.heartbeat_s,
-            now=now,
-        )
-        reason = health.stale_reason(record, cfg.rollout.max_policy_lag_s, now)
-        if reason is not None:
-            record.fault = f"PolicyStale: {reason}"
-            await self.r.set(self.keys.fault, record.fault)
-            self.stale = reason
-            self.slot.set()  # wakes the lease loop if it waits for a free slot
-        elif record.behind_since is None and record.fault is not None:
-            if await self.r.get(self.keys.fault) == record.fault.encode():
-                await self.r.delete(self.keys.fault)
-            record.fault = None
-        self.health = record
-        await self.r.hset(self.keys.policy_health, self.consumer, schema.encode(record))
-
-    async def _policy_heartbeat(self) -> None:
-        if self._refreshing is None or self._refreshing.done():
-            self._refreshing = asyncio.create_task(self.policy.refresh())
-        try:
-            await self._check_policy()
-        except Exception as e:  # Redis trouble: the next heartbeat tries again
-            log.warning("policy health check failed", error=repr(e))
-
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.streams.heartbeat_s)
-            await self._policy_heartbeat()
+            await self.watch.heartbeat(self.policy, self.config)
             held = list(self.held.values())
             if not held:
                 continue
@@ -221,77 +172,99 @@ class RolloutLease:
             self.active[e.id] = asyncio.create_task(self._episode(e))
 
     async def _episode(self, entry: Entry) -> None:
-        cfg = self.config
+        """One delivered task, start to release. Its outcome is a trajectory (written with the
+        last turn), a dead letter, or an exception: then nothing is written and the entry stays
+        pending for a retry."""
         # each asyncio task runs in its own copy of the context: this binding is per episode
         structlog.contextvars.bind_contextvars(
             task_id=entry.task_id, rollout_id=entry.id, policy_version=self.policy.version
         )
         try:
-            if entry.fence > cfg.streams.max_deliveries:
-                await self._deadletter(
-                    entry,
-                    f"delivered {entry.fence} times (max {cfg.streams.max_deliveries}): its "
-                    "workers died or its policy kept failing",
-                )
-                return
-            try:
-                task = schema.check_version(schema.TASK.decode(entry.payload))
-            except msgspec.DecodeError as e:
-                await self._deadletter(entry, f"undecodable task: {e}")
-                return
-            session = None
-            if entry.session:
-                try:
-                    session = schema.SESSION.decode(entry.session)
-                    session.claims += 1
-                    session.resumed_from_turn = len(session.turns)
-                except msgspec.DecodeError as e:
-                    log.warning("unreadable session, restarting episode", error=str(e))
-            try:
-                env = self._env(task.env)
-                if session is None:
-                    session = await anew_session(env, task)
-                traj = await run_episode(
-                    env,
-                    self.policy,
-                    task,
-                    session,
-                    lambda s: self.commits.submit((entry, s)),
-                    cfg.rollout,
-                    worker=self.consumer,
-                )
-            except (LostClaim, PolicyError, asyncio.CancelledError):
-                raise
-            except EnvUnavailable as e:
-                # the environment's service failed after its own retries: infrastructure, so
-                # the task is dead-lettered with the service's answer, never scored
-                await self._deadletter(entry, f"environment unavailable: {e}")
-                return
-            except Exception as e:  # the environment broke on this task: a failed trajectory
-                if session is None:
-                    session = schema.Session(task_id=task.task_id, items=list(task.input))
-                reason = f"environment error: {type(e).__name__}: {e}"
-                traj = finish(task, session, "failed", worker=self.consumer, failure=reason)
-            ok = await self.finishes.submit((entry, traj))
-            if ok:
-                self.counts["finished"] += 1
-            else:
-                self.counts["lost_claim"] += 1
-        except LostClaim:
-            self.counts["lost_claim"] += 1
-        except PolicyError as e:
-            # Infrastructure, not the model's fault: leave the entry pending so that it is
-            # retried after claim_idle_ms (and dead-lettered after max_deliveries).
-            self.counts["policy_errors"] += 1
-            log.error("policy failed; task left for retry", task_id=entry.task_id, error=str(e))
-        except asyncio.CancelledError:
-            pass
-        except Exception:
-            log.exception("rollout worker error; task left for retry", task_id=entry.task_id)
+            await self._settle(entry, await self._outcome(entry))
+        except (Exception, asyncio.CancelledError) as e:
+            self._left_pending(entry, e)
         finally:
-            self.held.pop(entry.id, None)
-            self.active.pop(entry.id, None)
-            self.slot.set()
+            self._release(entry)
+
+    async def _outcome(self, entry: Entry) -> schema.Trajectory | _DeadLetter:
+        """Admit the delivery, resume or open its session, play the turns."""
+        most = self.config.streams.max_deliveries
+        if entry.fence > most:
+            return _DeadLetter(
+                f"delivered {entry.fence} times (max {most}): its "
+                "workers died or its policy kept failing"
+            )
+        try:
+            task = schema.check_version(schema.TASK.decode(entry.payload))
+        except msgspec.DecodeError as e:
+            return _DeadLetter(f"undecodable task: {e}")
+        return await self._play(entry, task, self._resumed(entry))
+
+    @staticmethod
+    def _resumed(entry: Entry) -> schema.Session | None:
+        """The session a previous claim checkpointed; None starts the episode afresh."""
+        if not entry.session:
+            return None
+        try:
+            session = schema.SESSION.decode(entry.session)
+        except msgspec.DecodeError as e:
+            log.warning("unreadable session, restarting episode", error=str(e))
+            return None
+        session.claims += 1
+        session.resumed_from_turn = len(session.turns)
+        return session
+
+    async def _play(
+        self, entry: Entry, task: schema.Task, session: schema.Session | None
+    ) -> schema.Trajectory | _DeadLetter:
+        """Run the turns. What the environment raises is judged here: a service that is down
+        dead-letters the task (infrastructure, never scored), anything else is a failed
+        trajectory. A lost claim and the policy's failures pass through, for a retry."""
+        try:
+            env = self._env(task.env)
+            if session is None:
+                session = await anew_session(env, task)
+            commit = lambda s: self.commits.submit((entry, s))  # noqa: E731
+            return await run_episode(
+                env, self.policy, task, session, commit, self.config.rollout, worker=self.consumer
+            )
+        except (LostClaim, PolicyError):
+            raise
+        except EnvUnavailable as e:
+            return _DeadLetter(f"environment unavailable: {e}")
+        except Exception as e:  # the environment broke on this task
+            if session is None:
+                session = schema.Session(task_id=task.task_id, items=list(task.input))
+            reason = f"environment error: {type(e).__name__}: {e}"
+            return finish(task, session, "failed", worker=self.consumer, failure=reason)
+
+    async def _settle(self, entry: Entry, outcome: schema.Trajectory | _DeadLetter) -> None:
+        """Write the outcome, fenced: a worker that lost the claim meanwhile writes nothing."""
+        if isinstance(outcome, _DeadLetter):
+            await self._deadletter(entry, outcome.reason)
+        elif await self.finishes.submit((entry, outcome)):
+            self.counts["finished"] += 1
+        else:
+            self.counts["lost_claim"] += 1
+
+    def _left_pending(self, entry: Entry, error: BaseException) -> None:
+        """Nothing was written: the entry stays pending, retried after ``claim_idle_ms`` (and
+        dead-lettered after ``max_deliveries``). A cancel (lost claim, lease end) is silent."""
+        if isinstance(error, LostClaim):
+            self.counts["lost_claim"] += 1
+        elif isinstance(error, PolicyError):
+            # infrastructure, not the model's fault
+            self.counts["policy_errors"] += 1
+            log.error("policy failed; task left for retry", task_id=entry.task_id, error=str(error))
+        elif not isinstance(error, asyncio.CancelledError):
+            log.exception(
+                "rollout worker error; task left for retry", task_id=entry.task_id, exc_info=error
+            )
+
+    def _release(self, entry: Entry) -> None:
+        self.held.pop(entry.id, None)
+        self.active.pop(entry.id, None)
+        self.slot.set()
 
     # ---------------------------------------------------------------- the lease
     async def _wait_config(self, until: float) -> RunConfig | None:
@@ -322,10 +295,10 @@ class RolloutLease:
         end = started + (self.seconds if self.seconds is not None else rc.lease_seconds)
         heartbeat = None
         try:
-            await self._load_health()
+            await self.watch.load()
             await self.policy.refresh()  # serve the newest version from the first task on
-            await self._check_policy()
-            if self.stale is None:
+            await self.watch.check(self.policy, self.config)
+            if self.watch.stale is None:
                 # a lease that fails here queues no successor: the worker's backoff decides
                 if self.on_ready is not None:
                     self.on_ready()
@@ -334,18 +307,18 @@ class RolloutLease:
                 heartbeat = asyncio.create_task(self._heartbeat_loop())
                 await self._consume(end)
         finally:
-            for task in (heartbeat, self._refreshing):
-                if task is not None:
-                    task.cancel()
+            if heartbeat is not None:
+                heartbeat.cancel()
+            self.watch.close()
             await self.policy.close()
             for env in self.envs.values():
                 try:
                     await env.aclose()
                 except Exception as e:  # a pool that will not close must not fail the lease
                     log.warning("environment close failed", env=env.name, error=repr(e))
-        if self.stale is not None:
-            log.error("policy too stale; lease fails", reason=self.stale, **self.counts)
-            raise health.PolicyStale(self.stale)
+        if self.watch.stale is not None:
+            log.error("policy too stale; lease fails", reason=self.watch.stale, **self.counts)
+            raise health.PolicyStale(self.watch.stale)
         log.info("lease done", run=self.run_name, consumer=self.consumer, **self.counts)
         return self.counts
 
@@ -356,7 +329,7 @@ class RolloutLease:
         self._start(await self._claim(own=True, count=rc.max_concurrent))
         next_stale = next_halt = 0.0
         low_water = max(1, min(rc.read_batch, rc.max_concurrent) // 2)
-        while time.monotonic() < end and self.stale is None:
+        while time.monotonic() < end and self.watch.stale is None:
             cap = rc.max_concurrent - len(self.active)
             if cap < low_water and self.active:
                 self.slot.clear()
@@ -384,9 +357,9 @@ class RolloutLease:
                 count=min(cap, rc.read_batch),
                 block=block,
             )
-            if self.stale is None:  # else left pending, for other workers to claim
+            if self.watch.stale is None:  # else left pending, for other workers to claim
                 self._start(parse_read(resp))
-        if self.active and self.stale is None:
+        if self.active and self.watch.stale is None:
             await asyncio.wait(list(self.active.values()), timeout=rc.drain_seconds)
         for task in list(self.active.values()):
             task.cancel()
@@ -412,7 +385,9 @@ async def _lease(conn: Any, run: str, seconds: float | None, shard: int | None) 
             conn, ROLLOUT_QUEUE, run, at_most_every_s=1.0, control=control, shard=shard
         )
         url = data_url(control)
-        lease = RolloutLease(r, run, consumer_name(), seconds, on_ready=ready, url=url, shard=shard)
+        lease = _RolloutLease(
+            r, run, consumer_name(), seconds, on_ready=ready, url=url, shard=shard
+        )
         return await lease.run()
     finally:
         await r.aclose()
