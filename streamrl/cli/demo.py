@@ -24,14 +24,15 @@ def demo(
     seconds: float, target: float, as_json: bool, config_path: str | None, rollout_workers: int
 ) -> None:
     """Train a tiny model on `copy` through the whole pipeline, on a private Redis, live."""
-    from streamrl.local.demo import sigterm_as_interrupt, train_demo
+    from streamrl.local.demo import DemoOptions, sigterm_as_interrupt, train_demo
 
+    opts = DemoOptions(
+        seconds=seconds,
+        target=target,
+        live=not as_json,
+        config=config_path,
+        rollout_workers=rollout_workers,
+    )
     with sigterm_as_interrupt():
-        res = train_demo(
-            seconds=seconds,
-            target=target,
-            live=not as_json,
-            config=config_path,
-            rollout_workers=rollout_workers,
-        )
+        res = train_demo(opts)
     report(res, as_json)
