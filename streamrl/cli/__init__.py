@@ -19,7 +19,7 @@ from streamrl.cli.sandbox import sandbox_group
 from streamrl.cli.streams import export, replay, reverify, trim
 
 
-class Group(click.Group):
+class _Group(click.Group):
     """No traceback reaches a user: an error that no command turned into a message becomes
     one line, ``Error: <kind>: <what>`` with passwords masked, and exit status 1.
     ``streamrl --debug`` (or ``STREAMRL_DEBUG=1``) lets the traceback through instead."""
@@ -40,7 +40,7 @@ class Group(click.Group):
             raise click.ClickException(redact(f"{type(e).__name__}: {text}")) from None
 
 
-@click.group(cls=Group)
+@click.group(cls=_Group)
 @click.option(
     "--redis",
     "redis_url",
@@ -87,7 +87,7 @@ def main(
 _LEARN_HELP = "Train: read scored groups, take GRPO steps, publish policy versions."
 
 
-class LazyCommand(click.Command):
+class _LazyCommand(click.Command):
     """A command whose module (and torch) is imported only when it runs or shows its help."""
 
     def __init__(self, target: str, name: str, short_help: str):
@@ -116,7 +116,7 @@ class LazyCommand(click.Command):
         return self.real().get_params(ctx)
 
 
-# One family of commands per module beside this one. learn stands in as a LazyCommand: its
+# One family of commands per module beside this one. learn stands in as a lazy command: its
 # module imports torch, which `streamrl --help` and every other command do without.
 for command in (
     *(up, produce, worker),  # run: a private Redis, tasks in, rq workers
@@ -124,6 +124,6 @@ for command in (
     *(trim, replay, reverify, export),  # streams: act on a run's streams
     *(eval_command, audit_command, sandbox_group),  # evaluate, sandbox
     *(bench, demo),
-    LazyCommand("streamrl.cli.learn:learn_command", "learn", _LEARN_HELP),
+    _LazyCommand("streamrl.cli.learn:learn_command", "learn", _LEARN_HELP),
 ):
     main.add_command(command)

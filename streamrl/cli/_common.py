@@ -31,7 +31,7 @@ class Ctx:
                 "no Redis to talk to: pass --redis URL, set STREAMRL_REDIS_URL, or start a "
                 "private one in another terminal with `streamrl up`"
             )
-        return checked_url(url)
+        return _checked_url(url)
 
     def client(self, resilient: bool = False):
         """A client for this command's data Redis (a ``RedisCluster`` for a
@@ -91,7 +91,7 @@ def validated(cfg):
         raise click.ClickException(f"invalid run config: {e}") from None
 
 
-def checked_url(url: str) -> str:
+def _checked_url(url: str) -> str:
     from streamrl.connection import check_url
 
     try:
