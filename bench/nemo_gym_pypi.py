@@ -183,7 +183,7 @@ def counter_part(python: str, tmp: Path, prompts: int) -> dict:
 
 
 def copy_part(python: str, tmp: Path, steps: int, seconds: float) -> dict:
-    from streamrl.local.demo import DEMO_CONFIG, train_demo
+    from streamrl.local.demo import DEMO_CONFIG, DemoOptions, train_demo
 
     rng = random.Random(1)
     symbols = [chr(ord("a") + i) for i in range(16)]
@@ -204,10 +204,11 @@ def copy_part(python: str, tmp: Path, steps: int, seconds: float) -> dict:
         text += f'\n[env_options]\nbase_url = "{server.url}"\nrows = "{dataset}"\n'
         config = tmp / "copy-nemo-gym.toml"
         config.write_text(text)
-        res = train_demo(
+        opts = DemoOptions(
             seconds=seconds, target=None, live=False, config=config, max_steps=steps,
             directory=tmp / "copy-run",
         )  # fmt: skip
+        res = train_demo(opts)
         verifies = server.sessions()["verified"]
     finally:
         server.stop()

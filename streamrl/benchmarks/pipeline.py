@@ -168,7 +168,7 @@ def offpolicy_bench(
     newest policy, from a policy ``lag`` versions behind with the importance correction on,
     and the same without it. Every run keeps the same in-flight window (3 learner batches)
     and accepts staleness up to ``lag + 3``, so no group is dropped for staleness."""
-    from streamrl.local.demo import train_demo
+    from streamrl.local.demo import DemoOptions, train_demo
 
     say = progress or (lambda m: None)
     runs = {
@@ -179,7 +179,7 @@ def offpolicy_bench(
     out: dict = {"lag": lag, "steps": steps, "target": target, "seed": seed, "runs": {}}
     for name, (run_lag, correction) in runs.items():
         say(f"{name}: lag {run_lag}, importance sampling {correction}")
-        res = train_demo(
+        opts = DemoOptions(
             seconds=seconds,
             target=target,
             live=False,
@@ -196,6 +196,7 @@ def offpolicy_bench(
             seed=seed,
             stop_at_target=False,
         )
+        res = train_demo(opts)
         out["runs"][name] = {
             k: res[k]
             for k in (

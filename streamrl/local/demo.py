@@ -18,11 +18,13 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import redis
+import tomli_w
 from rich.console import Console
 from rich.console import Group as RichGroup
 from rich.live import Live
@@ -30,6 +32,7 @@ from rich.table import Table
 
 from streamrl.bus import health
 from streamrl.config import RunConfig, load_toml
+from streamrl.defaults import ROLLOUT_QUEUE, VERIFY_QUEUE
 from streamrl.envs import make_env
 from streamrl.local import prefork
 from streamrl.local.pipeline import LocalPipeline
@@ -39,37 +42,53 @@ from streamrl.ops.status import collect
 from streamrl.ops.views import RewardFeed, status_table
 from streamrl.producer.admission import LearnerAdmission, admission_limit
 from streamrl.producer.produce import Producer
+from streamrl.workers import leases
+from streamrl.workers.context import write_config
 
 RUN = "demo"
 # What the demo runs: the shipped config the README's Training section runs by hand, so the
 # two cannot drift apart. Only the model directory, the run name and the output dir differ.
-DEMO_CONFIG = Path(__file__).parents[1] / "configs" / "copy-tiny.toml"
+DEMO_CONFIG = Path(__file__).parent.parent / "configs" / "copy-tiny.toml"
+# one thread per process: the learner and two rollout workers share a laptop's cores
+_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def demo_config(path: str | Path | None = None) -> RunConfig:
-    return load_toml(path or DEMO_CONFIG)
+@dataclass(frozen=True, kw_only=True)
+class DemoOptions:
+    """One demo run: `streamrl demo`'s flags and the knobs the benchmarks turn
+    (`bench offpolicy`, the NeMo Gym check) and the tests use."""
+
+    seconds: float = 300.0  # stop after this long, start-up included
+    target: float | None = 0.9  # mean reward over `window` to reach; None: train on
+    stop_at_target: bool = True  # False: note when the target is reached and train on
+    max_steps: int | None = None  # stop once the learner has taken this many steps
+    live: bool = True  # keep the live view on screen (else it is drawn only while running)
+    window: int = 512  # rewards averaged for reward_first, reward_last and the target
+    directory: str | Path | None = None  # Redis, logs, model, checkpoints (default: a temp dir)
+    config: str | Path | None = None  # run config (default: DEMO_CONFIG)
+    rollout_workers: int = 2
+    seed: int = 0  # the learner's, the policy's and the prompt generator's
+    learner_overrides: Mapping[str, Any] = field(default_factory=dict)  # over [learner]
+    policy_options: Mapping[str, Any] = field(default_factory=dict)  # over [policy] options
+    # the in-flight window in learner batches, instead of the learner's max_staleness + 1
+    admission_batches: int | None = None
 
 
-def _toml(run: RunConfig, learner: dict) -> str:
-    def val(v):
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return f'"{v}"'
-        return repr(v)
-
-    lines = [f'run = "{run.run}"', f'env = "{run.env}"', f"group_size = {run.group_size}", ""]
-    lines.append("[policy]")
-    p = run.policy
-    lines += [f'backend = "{p.backend}"', f'model = "{p.model}"']
-    lines += [f"temperature = {p.temperature}", f"max_new_tokens = {p.max_new_tokens}", ""]
-    lines.append("[learner]")
-    lines += [f"{k} = {val(v)}" for k, v in learner.items()]
-    return "\n".join(lines) + "\n"
+def learner_toml(cfg: RunConfig) -> str:
+    """The file `streamrl learn --config` reads: the run, its policy and its [learner] table."""
+    p = cfg.policy
+    policy = {
+        "backend": p.backend,
+        "model": p.model,
+        "temperature": p.temperature,
+        "max_new_tokens": p.max_new_tokens,
+    }
+    doc = {"run": cfg.run, "env": cfg.env, "group_size": cfg.group_size}
+    return tomli_w.dumps({**doc, "policy": policy, "learner": cfg.learner})
 
 
-class Stopped(Exception):
-    pass
+class _Stopped(Exception):
+    """The demo is over: the producer thread, held by admission, ends."""
 
 
 @contextlib.contextmanager
@@ -90,192 +109,252 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def train_demo(
-    seconds: float = 300.0,
-    target: float | None = 0.9,
-    live: bool = True,
-    directory: str | Path | None = None,
-    window: int = 512,
-    learner_overrides: dict | None = None,
-    policy_options: dict | None = None,
-    max_steps: int | None = None,
-    admission_batches: int | None = None,
-    seed: int = 0,
-    stop_at_target: bool = True,
-    config: str | Path | None = None,
-    rollout_workers: int = 2,
-) -> dict:
-    """Returns the JSON summary. ``target=None`` trains until ``seconds`` or ``max_steps``
-    learner steps; ``admission_batches`` fixes the in-flight window (in learner batches)
-    instead of the learner's ``max_staleness + 1``."""
-    from streamrl.models.tiny import save_tiny
-
+def train_demo(opts: DemoOptions = DemoOptions()) -> dict:
+    """Returns the JSON summary (``_result``). ``target=None`` trains until ``seconds`` or
+    ``max_steps`` learner steps."""
     console = Console(stderr=True)
-    started = time.monotonic()
-    cfg = demo_config(config)
+    progress = _Progress(opts.window)  # the clock starts here: `seconds` counts start-up
+    cfg = load_toml(opts.config or DEMO_CONFIG)
     cfg.run = RUN
-    group_size = cfg.group_size
-    pipeline = LocalPipeline(cfg, directory=directory)
+    pipeline = LocalPipeline(cfg, directory=opts.directory)
     model_dir = pipeline.dir / "model"
     cfg.policy.model = str(model_dir)
-    threads = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    env = {**os.environ, **threads}
+    env = {**os.environ, **_THREADS}
     # torch and transformers imported once, by a fork server, while Redis starts; the
     # learner and the rollout workers are forked from it (see streamrl.local.prefork)
-    forks = Prefork(env=threads) if prefork.enabled() else None
+    forks = Prefork(env=_THREADS) if prefork.enabled() else None
     with pipeline as p:
-        procs = p.procs
-        assert procs is not None
-        procs.env = env
-        if forks is not None:
-            p.start_workers(rollout=0, verify=1, top_up=False)  # the verifier needs no torch
-            forks.call(save_tiny, model_dir)  # waits for the server's imports
-            procs.launcher = lambda argv, log, env_: forks.popen(argv, log, env_, True)
-            p.start_workers(rollout=rollout_workers, verify=0, top_up=False)
-        else:
-            # start-up in parallel: the workers import torch and transformers
-            # (STREAMRL_PRELOAD) while this process builds the model; no lease until tasks
-            procs.env = {**env, "STREAMRL_PRELOAD": "torch,transformers"}
-            p.start_workers(rollout=rollout_workers, verify=0, top_up=False)
-            procs.env = env
-            p.start_workers(rollout=0, verify=1, top_up=False)
-            save_tiny(model_dir)
-        cfg.policy.options.update({"seed": seed, **(policy_options or {})})
-        learner = {**cfg.learner, "model": str(model_dir), "output_dir": str(p.dir / "learner")}
-        learner["seed"] = seed
-        learner.update(learner_overrides or {})
-        from streamrl.workers.context import write_config
-
-        cfg.learner = learner
-        write_config(p.r, cfg)
-        config_path = p.dir / "demo.toml"
-        config_path.write_text(_toml(cfg, learner))
+        _start_workers(p, forks, env, model_dir, opts.rollout_workers)
+        config_path = _write_config(p, cfg, opts)
         console.print(
             f"[bold]streamrl demo[/]: tiny Llama learning `{cfg.env}` - Redis {p.url}, "
             f"config {config_path}, logs {p.dir}/logs"
         )
-        learn = [sys.executable, "-m", "streamrl.cli", "learn", "--config", str(config_path)]
-        learn += ["--redis", p.url, "--run", RUN]
-        learner_log = p.dir / "logs" / "learner.log"
-        if forks is not None:
-            learner_proc: Any = forks.popen(learn, learner_log, env)
-        else:
-            out = open(learner_log, "ab")  # noqa: SIM115 - lives with the learner
-            learner_proc = subprocess.Popen(learn, stdout=out, stderr=subprocess.STDOUT, env=env)
+        learner = _start_learner(p, forks, env, config_path)
         # the model exists now: one lease per worker, without waiting for their idle poll
-        from streamrl.defaults import ROLLOUT_QUEUE, VERIFY_QUEUE
-        from streamrl.workers import leases
-
-        leases.top_up(p.r, ROLLOUT_QUEUE, RUN, waiting=rollout_workers)
+        leases.top_up(p.r, ROLLOUT_QUEUE, RUN, waiting=opts.rollout_workers)
         leases.top_up(p.r, VERIFY_QUEUE, RUN, waiting=1)
         stop = threading.Event()
-        batch = learner["batch_groups"] * group_size
-        if admission_batches is not None:
-            limit = admission_batches * batch
-        else:
-            limit = admission_limit(learner, group_size)
-        admission = LearnerAdmission(
-            p.r, RUN, group_size, limit=limit, override=admission_batches is not None
-        )
-
-        def admit(n: int) -> None:
-            if stop.is_set():
-                raise Stopped
-            admission(n)
-
-        def produce() -> None:
-            try:
-                # one learner batch per push, so admission can keep the pipe full
-                Producer(p.r, RUN, admission=admit, batch_samples=batch).from_env(
-                    make_env(cfg.env, **cfg.env_options), 10**7, group_size, seed=seed
-                )
-            except Stopped:
-                pass
-            except redis.RedisError:
-                # the demo is over and its Redis is going away under a producer held by
-                # admission: nothing to report (it used to print a traceback at every exit)
-                if not stop.is_set():
-                    raise
-
-        threading.Thread(target=produce, daemon=True).start()
+        _start_producer(p, cfg, opts, stop)
         feed = RewardFeed(p.r, RUN, start="0-0")
-        recent: deque[float] = deque(maxlen=window)
-        first: list[float] = []
-        reached = reached_at = None
-        first_step_at = None  # training time is measured from the learner's first step
-        reached_step = None
-        drawn = 0.0
         try:
-            with Live(console=console, refresh_per_second=4, transient=not live) as view:
-                while time.monotonic() - started < seconds:
-                    for r_ in feed.poll():
-                        recent.append(r_)
-                        if len(first) < window:
-                            first.append(r_)
-                    step = int(p.r.hget(p.keys.learner, "step") or 0)
-                    if first_step_at is None and step >= 1:
-                        first_step_at = time.monotonic() - started
-                    if max_steps is not None and step >= max_steps:
-                        break
-                    health.check_fault(p.r, p.keys)  # a stuck rollout worker: one line, exit 1
-                    if learner_proc.poll() is not None:
-                        raise RuntimeError(f"the learner exited; see {p.dir}/logs/learner.log")
-                    if live and time.monotonic() - drawn >= 1.0:
-                        # the full status (rq workers, stream info) costs Redis round trips
-                        # and CPU that training needs: once a second is plenty for a person
-                        drawn = time.monotonic()
-                        view.update(_frame(feed, collect(p.r, RUN), started, recent))
-                    full = len(recent) == window
-                    at_target = target is not None and full and sum(recent) / window >= target
-                    if at_target and reached is None:
-                        reached = time.monotonic() - started
-                        reached_at = time.time()
-                        reached_step = step
-                    if at_target and stop_at_target:
-                        break
-                    time.sleep(0.25)
+            _watch(p, learner, feed, progress, opts, console)
         except KeyboardInterrupt:
             console.print("interrupted: shutting down")
         finally:
             stop.set()
-            cpu = _cpu_by_role(p, learner_proc, forks)
-            learner_proc.send_signal(signal.SIGTERM)  # it finishes its step and checkpoints
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                learner_proc.wait(timeout=30)
-            if learner_proc.poll() is None:
-                learner_proc.kill()
-            p.stop()
-        info = collect(p.r, RUN)["learner"]
-        return {
-            "reward_first": _mean(first),
-            "reward_last": _mean(list(recent)),
-            "groups_trained": info.get("groups_applied", 0),
-            "policy_version": info.get("policy_version", 0),
-            "learner_steps": info.get("step", 0),
-            "samples_scored": feed_count(feed),
-            "newest_rollout_version": max(feed.by_version, default=0),
-            "seconds": round(time.monotonic() - started, 2),
-            "seconds_to_target": round(reached, 2) if reached is not None else None,
-            "reached_at": reached_at,  # epoch seconds: `bench vs-trl` times from the launch
-            "steps_to_target": reached_step,
-            "startup_seconds": round(first_step_at, 2) if first_step_at is not None else None,
-            "training_seconds_to_target": (
-                round(reached - first_step_at, 2)
-                if reached is not None and first_step_at is not None
-                else None
-            ),
-            "target": target,
-            "cpu_seconds": cpu,
-            # off-policy evidence (bench offpolicy): versions behind at training time, the
-            # share of importance weights clipped, groups dropped as too stale
-            "applied_staleness": _staleness(info.get("applied_staleness")),
-            "is_clipped_fraction": info.get("is_clipped_fraction"),
-            "groups_dropped_stale": info.get("dropped_stale", 0),
-            "entropy": info.get("entropy"),
-        }
+            cpu = _shut_down(p, learner, forks)
+        return _result(collect(p.r, RUN)["learner"], feed, progress, opts.target, cpu)
 
 
-def feed_count(feed: RewardFeed) -> int:
+def _start_workers(
+    p: LocalPipeline, forks: Prefork | None, env: dict, model_dir: Path, rollout: int
+) -> None:
+    """The verifier and the rollout workers, and the tiny model they (and the learner) load;
+    no lease yet, so the workers idle until the run has work."""
+    from streamrl.models.tiny import save_tiny
+
+    procs = p.procs
+    assert procs is not None
+    procs.env = env
+    if forks is not None:
+        p.start_workers(rollout=0, verify=1, top_up=False)  # the verifier needs no torch
+        forks.call(save_tiny, model_dir)  # waits for the server's imports
+        procs.launcher = lambda argv, log, env_: forks.popen(argv, log, env_, True)
+        p.start_workers(rollout=rollout, verify=0, top_up=False)
+    else:
+        # start-up in parallel: the workers import torch and transformers
+        # (STREAMRL_PRELOAD) while this process builds the model
+        procs.env = {**env, "STREAMRL_PRELOAD": "torch,transformers"}
+        p.start_workers(rollout=rollout, verify=0, top_up=False)
+        procs.env = env
+        p.start_workers(rollout=0, verify=1, top_up=False)
+        save_tiny(model_dir)
+
+
+def _write_config(p: LocalPipeline, cfg: RunConfig, opts: DemoOptions) -> Path:
+    """The run's config with the demo's model, seed, output dir and overrides: in Redis for
+    the workers, and as a TOML file for the learner's command line (its path returned)."""
+    cfg.policy.options.update({"seed": opts.seed, **opts.policy_options})
+    learner = {**cfg.learner, "model": cfg.policy.model, "output_dir": str(p.dir / "learner")}
+    learner["seed"] = opts.seed
+    learner.update(opts.learner_overrides)
+    cfg.learner = learner
+    write_config(p.r, cfg)
+    path = p.dir / "demo.toml"
+    path.write_text(learner_toml(cfg))
+    return path
+
+
+def _start_learner(p: LocalPipeline, forks: Prefork | None, env: dict, config: Path) -> Any:
+    """`streamrl learn` as a process of its own (forked from the fork server when there is
+    one), logging to logs/learner.log."""
+    argv = [sys.executable, "-m", "streamrl.cli", "learn", "--config", str(config)]
+    argv += ["--redis", str(p.url), "--run", RUN]
+    log = p.dir / "logs" / "learner.log"
+    if forks is not None:
+        return forks.popen(argv, log, env)
+    out = open(log, "ab")  # noqa: SIM115 - lives with the learner
+    return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def _start_producer(
+    p: LocalPipeline, cfg: RunConfig, opts: DemoOptions, stop: threading.Event
+) -> None:
+    """Prompts from the environment's generator, pushed by a daemon thread under admission
+    control, one learner batch per push (so admission can keep the pipe full), until `stop`."""
+    group_size = cfg.group_size
+    batch = cfg.learner["batch_groups"] * group_size
+    if opts.admission_batches is not None:
+        limit = opts.admission_batches * batch
+    else:
+        limit = admission_limit(cfg.learner, group_size)
+    admission = LearnerAdmission(
+        p.r, RUN, group_size, limit=limit, override=opts.admission_batches is not None
+    )
+
+    def admit(n: int) -> None:
+        if stop.is_set():
+            raise _Stopped
+        admission(n)
+
+    def produce() -> None:
+        try:
+            Producer(p.r, RUN, admission=admit, batch_samples=batch).from_env(
+                make_env(cfg.env, **cfg.env_options), 10**7, group_size, seed=opts.seed
+            )
+        except _Stopped:
+            pass
+        except redis.RedisError:
+            # the demo is over and its Redis is going away under a producer held by
+            # admission: nothing to report (it used to print a traceback at every exit)
+            if not stop.is_set():
+                raise
+
+    threading.Thread(target=produce, daemon=True).start()
+
+
+@dataclass
+class _Progress:
+    """What the live loop has seen: the rewards of the first and of the latest `window`
+    samples, and when training started and the target was reached."""
+
+    window: int
+    started: float = field(default_factory=time.monotonic)
+    first: list[float] = field(default_factory=list)
+    recent: deque[float] = field(init=False)
+    first_step_at: float | None = None  # training time is measured from the first step
+    reached: float | None = None  # seconds from the start to the target
+    reached_at: float | None = None  # the same moment, epoch seconds
+    reached_step: int | None = None
+
+    def __post_init__(self) -> None:
+        self.recent = deque(maxlen=self.window)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def add(self, rewards: Iterable[float]) -> None:
+        for r in rewards:
+            self.recent.append(r)
+            if len(self.first) < self.window:
+                self.first.append(r)
+
+    def saw_step(self, step: int) -> None:
+        if self.first_step_at is None and step >= 1:
+            self.first_step_at = self.elapsed()
+
+    def at_target(self, target: float | None, step: int) -> bool:
+        """Whether the mean of a full window is at the target (the first time is noted)."""
+        full = len(self.recent) == self.window
+        at = target is not None and full and sum(self.recent) / self.window >= target
+        if at and self.reached is None:
+            self.reached = self.elapsed()
+            self.reached_at = time.time()
+            self.reached_step = step
+        return at
+
+
+def _watch(
+    p: LocalPipeline,
+    learner: Any,
+    feed: RewardFeed,
+    progress: _Progress,
+    opts: DemoOptions,
+    console: Console,
+) -> None:
+    """Until time is up, the step budget is spent or the target is reached: rewards in, the
+    learner and the rollout workers checked, the view drawn once a second."""
+    drawn = 0.0
+    with Live(console=console, refresh_per_second=4, transient=not opts.live) as view:
+        while progress.elapsed() < opts.seconds:
+            progress.add(feed.poll())
+            step = int(p.r.hget(p.keys.learner, "step") or 0)
+            progress.saw_step(step)
+            if opts.max_steps is not None and step >= opts.max_steps:
+                break
+            health.check_fault(p.r, p.keys)  # a stuck rollout worker: one line, exit 1
+            if learner.poll() is not None:
+                raise RuntimeError(f"the learner exited; see {p.dir}/logs/learner.log")
+            if opts.live and time.monotonic() - drawn >= 1.0:
+                # the full status (rq workers, stream info) costs Redis round trips
+                # and CPU that training needs: once a second is plenty for a person
+                drawn = time.monotonic()
+                view.update(_frame(feed, collect(p.r, RUN), progress.started, progress.recent))
+            if progress.at_target(opts.target, step) and opts.stop_at_target:
+                break
+            time.sleep(0.25)
+
+
+def _shut_down(p: LocalPipeline, learner: Any, forks: Prefork | None) -> dict[str, float]:
+    """Stop the learner (it finishes its step and checkpoints) and the workers; returns the
+    CPU seconds each part used, read while they still run."""
+    cpu = _cpu_by_role(p, learner, forks)
+    learner.send_signal(signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        learner.wait(timeout=30)
+    if learner.poll() is None:
+        learner.kill()
+    p.stop()
+    return cpu
+
+
+def _result(
+    info: dict, feed: RewardFeed, progress: _Progress, target: float | None, cpu: dict
+) -> dict:
+    """The summary: rewards at the start and the end, what the learner did, the time to the
+    target (from the launch and from the first step), CPU by role, off-policy figures."""
+    reached, first_step_at = progress.reached, progress.first_step_at
+    return {
+        "reward_first": _mean(progress.first),
+        "reward_last": _mean(list(progress.recent)),
+        "groups_trained": info.get("groups_applied", 0),
+        "policy_version": info.get("policy_version", 0),
+        "learner_steps": info.get("step", 0),
+        "samples_scored": _feed_count(feed),
+        "newest_rollout_version": max(feed.by_version, default=0),
+        "seconds": round(progress.elapsed(), 2),
+        "seconds_to_target": round(reached, 2) if reached is not None else None,
+        "reached_at": progress.reached_at,  # epoch seconds: `bench vs-trl` times from launch
+        "steps_to_target": progress.reached_step,
+        "startup_seconds": round(first_step_at, 2) if first_step_at is not None else None,
+        "training_seconds_to_target": (
+            round(reached - first_step_at, 2)
+            if reached is not None and first_step_at is not None
+            else None
+        ),
+        "target": target,
+        "cpu_seconds": cpu,
+        # off-policy evidence (bench offpolicy): versions behind at training time, the
+        # share of importance weights clipped, groups dropped as too stale
+        "applied_staleness": _staleness(info.get("applied_staleness")),
+        "is_clipped_fraction": info.get("is_clipped_fraction"),
+        "groups_dropped_stale": info.get("dropped_stale", 0),
+        "entropy": info.get("entropy"),
+    }
+
+
+def _feed_count(feed: RewardFeed) -> int:
     return sum(len(v) for v in feed.by_version.values())
 
 
@@ -294,7 +373,7 @@ def _frame(feed: RewardFeed, info: dict, started: float, recent: deque) -> RichG
     elapsed = time.monotonic() - started
     ln = info.get("learner", {})
     t = Table.grid(padding=(0, 2))
-    t.add_row("elapsed", f"{elapsed:.1f} s", "samples/s", f"{feed_count(feed) / elapsed:.0f}")
+    t.add_row("elapsed", f"{elapsed:.1f} s", "samples/s", f"{_feed_count(feed) / elapsed:.0f}")
     t.add_row(
         "learner step",
         str(ln.get("step", 0)),

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from streamrl.cli import _report
+from streamrl.cli._common import report
 
 
 def test_bench_pipeline_default_is_single_turn_and_clean(tmp_path):
@@ -22,9 +22,9 @@ def test_bench_pipeline_default_is_single_turn_and_clean(tmp_path):
 
 
 def test_report_exits_1_when_the_run_lost_work(capsys):
-    _report({"lost": 0}, as_json=True)
+    report({"lost": 0}, as_json=True)
     assert json.loads(capsys.readouterr().out) == {"lost": 0}
     with pytest.raises(SystemExit) as exc:
-        _report({"lost": 2}, as_json=False, failed=True)
+        report({"lost": 2}, as_json=False, failed=True)
     assert exc.value.code == 1
     assert json.loads(capsys.readouterr().out) == {"lost": 2}

@@ -1,0 +1,38 @@
+"""`streamrl demo`: the whole pipeline training a tiny model, on a private Redis, live."""
+
+from __future__ import annotations
+
+import click
+
+from streamrl.cli._common import report
+
+
+@click.command()
+@click.option("--seconds", default=300.0, show_default=True, help="Stop after this long.")
+@click.option("--target", default=0.9, show_default=True, help="Stop at this mean reward.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary as the last line.")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Run config (default: the shipped configs/copy-tiny.toml); its model is replaced by "
+    "a freshly built tiny model.",
+)
+@click.option("--rollout-workers", type=click.IntRange(min=1), default=2, show_default=True)
+def demo(
+    seconds: float, target: float, as_json: bool, config_path: str | None, rollout_workers: int
+) -> None:
+    """Train a tiny model on `copy` through the whole pipeline, on a private Redis, live."""
+    from streamrl.local.demo import DemoOptions, sigterm_as_interrupt, train_demo
+
+    opts = DemoOptions(
+        seconds=seconds,
+        target=target,
+        live=not as_json,
+        config=config_path,
+        rollout_workers=rollout_workers,
+    )
+    with sigterm_as_interrupt():
+        res = train_demo(opts)
+    report(res, as_json)
