@@ -1,5 +1,6 @@
-"""The README's promises, checked: its two commands, its example environment (the file and the
-README agree, and it runs through `streamrl produce` and the workers), and the CLI's errors."""
+"""The README's promises, checked: its two commands, its example environment (the file, the
+README and docs/environments.md agree, and it runs through `streamrl produce` and the workers),
+and the CLI's errors. Links and command lines on every page: tests/test_docs.py."""
 
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ def test_readme_commands_and_ci_agree():
     assert "\nmake test\n" in ci
 
 
-def test_readme_environment_is_the_example_file():
-    block = README.split("This is `examples/reverse_env.py`:", 1)[1]
+@pytest.mark.parametrize("page", ["README.md", "docs/environments.md"])
+def test_readme_environment_is_the_example_file(page):
+    block = (ROOT / page).read_text().split("This is `examples/reverse_env.py`:", 1)[1]
     code = re.search(r"```python\n(.*?)```", block, re.S).group(1)
     assert code == (ROOT / "examples" / "reverse_env.py").read_text()
 
