@@ -51,7 +51,7 @@ from streamrl.learner.checkpoint import Counters, LearnerState, save_checkpoint
 from streamrl.learner.config import LearnerConfig
 from streamrl.learner.distributed import DataParallel, Trainer, follow
 from streamrl.learner.losses import adapt_entropy_coef
-from streamrl.learner.reader import GroupsReader, Ref, run_shards
+from streamrl.learner.reader import GroupsReader, Ref, resolve_shards
 from streamrl.learner.report import Reporters, make_reporters, step_scalars
 from streamrl.learner.setup import load_training, start_process
 from streamrl.learner.train import StepStats, train_step
@@ -96,7 +96,7 @@ def _open(
     r = connect(url, resilient=True)
     keys = Keys(run)
     health.check_fault(r, keys)  # before loading anything
-    shard_list = run_shards(r, run, shards)
+    shard_list = resolve_shards(r, run, shards)
     for one in shard_list:
         ensure_groups(r, one)
     out = cfg.out_dir(run)

@@ -24,7 +24,7 @@ Ref = tuple[int, str]  # (shard index, entry id): one entry of one shard's group
 Row = tuple[int, str, dict]  # (shard index, entry id, the entry's fields)
 
 
-def run_shards(r: redis.Redis, run: str, shards: int | None) -> list[Keys]:
+def resolve_shards(r: redis.Redis, run: str, shards: int | None) -> list[Keys]:
     """The run's shards: its stored config's count, else ``shards``, else 1."""
     stored = read_config(r.get(Keys(run).config))
     if stored is not None:
