@@ -24,17 +24,17 @@ from streamrl.learner.losses import ScaleRewards, group_advantages
 from streamrl.schema import Group
 
 
-def rewards_of(group: Group) -> list[float]:
+def _rewards_of(group: Group) -> list[float]:
     return [float(s.score.reward) for s in group.samples if s.score.reward is not None]
 
 
 def is_zero_variance(group: Group, tol: float = 1e-9) -> bool:
     """All rewards equal (or fewer than two): every advantage would be 0, nothing to learn."""
-    rewards = rewards_of(group)
+    rewards = _rewards_of(group)
     return len(rewards) < 2 or max(rewards) - min(rewards) <= tol
 
 
-def oldest_version(group: Group) -> int | None:
+def _oldest_version(group: Group) -> int | None:
     """The oldest policy version that generated any token of the group (None: no tokens)."""
     versions = [t.policy_version for s in group.samples for t in s.trajectory.turns if t.token_ids]
     return min(versions) if versions else None
@@ -42,12 +42,12 @@ def oldest_version(group: Group) -> int | None:
 
 def staleness(group: Group, current_version: int) -> int:
     """How many policy versions behind the learner the group's oldest token is."""
-    oldest = oldest_version(group)
+    oldest = _oldest_version(group)
     return 0 if oldest is None else current_version - oldest
 
 
 def has_tokens(group: Group) -> bool:
-    return oldest_version(group) is not None
+    return _oldest_version(group) is not None
 
 
 @dataclass

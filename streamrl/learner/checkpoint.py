@@ -19,7 +19,6 @@ import os
 import random
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import msgspec
@@ -28,8 +27,8 @@ from torch import nn
 
 from streamrl.learner._failpoints import failpoint
 
-PREFIX = "step-"
-TMP_PREFIX = ".tmp-"
+_PREFIX = "step-"
+_TMP_PREFIX = ".tmp-"
 
 
 class Counters(msgspec.Struct, kw_only=True):
@@ -85,7 +84,7 @@ class LearnerState(msgspec.Struct, kw_only=True):
     entropy_coef: float | None = None  # the adaptive coefficient (None: config's entropy_coef)
 
 
-def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def _trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
 
 
@@ -125,13 +124,13 @@ def save_checkpoint(
     keep: int = 2,
 ) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    name = f"{PREFIX}{state.step:08d}"
+    name = f"{_PREFIX}{state.step:08d}"
     final = directory / name
-    tmp = directory / f"{TMP_PREFIX}{name}-{os.getpid()}"
+    tmp = directory / f"{_TMP_PREFIX}{name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    torch.save(trainable_state(model), tmp / "weights.pt")
+    torch.save(_trainable_state(model), tmp / "weights.pt")
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(_rng_state(), tmp / "rng.pt")
     (tmp / "state.json").write_bytes(msgspec.json.encode(state))
@@ -141,34 +140,34 @@ def save_checkpoint(
     failpoint("mid_checkpoint", state.step)
     old = None
     if final.exists():  # the same step written again: move the old one aside, never delete first
-        old = directory / f"{TMP_PREFIX}old-{name}-{os.getpid()}"
+        old = directory / f"{_TMP_PREFIX}old-{name}-{os.getpid()}"
         os.rename(final, old)
     os.rename(tmp, final)
     fsync_path(directory)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    for old in checkpoints(directory)[:-keep]:
+    for old in _checkpoints(directory)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def checkpoints(directory: Path) -> list[Path]:
+def _checkpoints(directory: Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
+    return sorted(p for p in directory.iterdir() if p.is_dir() and p.name.startswith(_PREFIX))
 
 
 def clean_temporaries(directory: Path) -> None:
     """Half-written checkpoints of a process that died while writing."""
     if directory.is_dir():
         for p in directory.iterdir():
-            if p.name.startswith(TMP_PREFIX):
+            if p.name.startswith(_TMP_PREFIX):
                 shutil.rmtree(p, ignore_errors=True)
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
-    found = checkpoints(directory)
+    found = _checkpoints(directory)
     return found[-1] if found else None
 
 
@@ -190,7 +189,3 @@ def restore_checkpoint(
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     _set_rng_state(torch.load(path / "rng.pt", weights_only=False))
     return read_state(path)
-
-
-def now() -> float:
-    return time.time()

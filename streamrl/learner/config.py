@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 import msgspec
 
 from streamrl import defaults as d
-from streamrl.learner.losses import IMPORTANCE_SAMPLING, LOSS_TYPES, SCALE_REWARDS
+from streamrl.learner.losses import (
+    IMPORTANCE_SAMPLING,
+    LOSS_TYPES,
+    SCALE_REWARDS,
+    ImportanceSampling,
+    LossConfig,
+    LossType,
+)
 from streamrl.learner.report import targets
 
 
@@ -139,6 +146,21 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     @property
     def eps_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def loss_config(self) -> LossConfig:
+        """The loss settings in ``losses.policy_loss``'s own names (validated above)."""
+        return LossConfig(
+            importance_sampling=cast(ImportanceSampling, self.importance_sampling),
+            importance_sampling_max=self.importance_sampling_max,
+            importance_sampling_min=self.importance_sampling_min,
+            epsilon_low=self.epsilon,
+            epsilon_high=self.eps_high,
+            delta=self.delta,
+            beta=self.beta,
+            kl_bias_correction=self.use_bias_correction_kl,
+            loss_type=cast(LossType, self.loss_type),
+            max_completion_length=self.max_completion_length,
+        )
 
     def out_dir(self, run: str) -> Path:
         return Path(self.output_dir) if self.output_dir else Path(d.RUN_DIR) / run / "learner"

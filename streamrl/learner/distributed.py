@@ -52,7 +52,7 @@ from streamrl.learner.config import LearnerConfig
 from streamrl.learner.train import BatchLoss, StepStats, add_chunk, apply_update, chunk_loss
 
 
-class StepPayload(msgspec.Struct, array_like=True):
+class _StepPayload(msgspec.Struct, array_like=True):
     """What rank 0 sends for a step: its groups, and the settings that vary by step (the
     adaptive entropy coefficient), so that every rank computes the same loss."""
 
@@ -60,11 +60,11 @@ class StepPayload(msgspec.Struct, array_like=True):
     groups: list[schema.Group]
 
 
-_STEP = msgspec.msgpack.Decoder(StepPayload)
+_STEP = msgspec.msgpack.Decoder(_StepPayload)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
-class Command(IntEnum):
+class _Command(IntEnum):
     HEARTBEAT = 0
     STEP = 1
     STOP = 2
@@ -111,14 +111,14 @@ class DataParallel:
             dist.destroy_process_group()
 
     # -- rank 0 -> every rank: a command with an optional payload
-    def send(self, command: Command, step: int = 0, payload: bytes = b"") -> None:
+    def send(self, command: _Command, step: int = 0, payload: bytes = b"") -> None:
         header = torch.tensor([int(command), step, len(payload)], dtype=torch.long)
         dist.broadcast(header.to(self.device), src=0)
         if payload:
             data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             dist.broadcast(data.to(self.device), src=0)
 
-    def receive(self) -> tuple[Command, int, bytes]:
+    def receive(self) -> tuple[_Command, int, bytes]:
         header = torch.empty(3, dtype=torch.long, device=self.device)
         dist.broadcast(header, src=0)
         command, step, size = (int(x) for x in header.cpu())
@@ -127,7 +127,7 @@ class DataParallel:
             data = torch.empty(size, dtype=torch.uint8, device=self.device)
             dist.broadcast(data, src=0)
             payload = data.cpu().numpy().tobytes()
-        return Command(command), step, payload
+        return _Command(command), step, payload
 
     def broadcast_text(self, text: str | None) -> str:
         """Rank 0's string on every rank (which checkpoint to restore)."""
@@ -173,7 +173,7 @@ def num_chunks(batch: Batch, micro: int, world: int) -> int:
     )
 
 
-def ddp_train_step(
+def _ddp_train_step(
     ddp: DistributedDataParallel,
     optimizer: torch.optim.Optimizer,
     batch: Batch,
@@ -228,15 +228,15 @@ class Trainer:
         step: int,
         ref_model: nn.Module | None,
     ) -> StepStats:
-        self.dp.send(Command.STEP, step, _ENCODER.encode(StepPayload(cfg.entropy_coef, groups)))
+        self.dp.send(_Command.STEP, step, _ENCODER.encode(_StepPayload(cfg.entropy_coef, groups)))
         batch = make_batch(groups, self.pad, cfg.scale_rewards)
-        return ddp_train_step(self.ddp, optimizer, batch, cfg, step, self.dp, ref_model)
+        return _ddp_train_step(self.ddp, optimizer, batch, cfg, step, self.dp, ref_model)
 
     def heartbeat(self) -> None:
-        self.dp.send(Command.HEARTBEAT)
+        self.dp.send(_Command.HEARTBEAT)
 
     def stop(self) -> None:
-        self.dp.send(Command.STOP)
+        self.dp.send(_Command.STOP)
 
 
 def follow(
@@ -252,13 +252,13 @@ def follow(
     steps = 0
     while True:
         command, step, payload = dp.receive()
-        if command == Command.STOP:
+        if command == _Command.STOP:
             return steps
-        if command == Command.STEP:
+        if command == _Command.STEP:
             sent = _STEP.decode(payload)
             step_cfg = msgspec.structs.replace(cfg, entropy_coef=sent.entropy_coef)
             batch = make_batch(sent.groups, pad_token_id, step_cfg.scale_rewards)
-            ddp_train_step(ddp, optimizer, batch, step_cfg, step, dp, ref_model)
+            _ddp_train_step(ddp, optimizer, batch, step_cfg, step, dp, ref_model)
             steps += 1
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
+import msgspec
 import torch
 from torch import Tensor
 
@@ -222,24 +223,37 @@ def aggregate_loss(
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
 
 
+class LossConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The loss settings ``policy_loss`` takes, fixed for a run. The learner builds it from its
+    ``[learner]`` table (``LearnerConfig.loss_config``); TRL's names are in brackets.
+
+    ``importance_sampling`` (``vllm_importance_sampling_mode``), ``importance_sampling_max``/
+    ``_min`` (C, c: ``..._clip_max``/``_clip_min``), ``epsilon_low``/``epsilon_high`` (ε:
+    ``epsilon``/``epsilon_high``), ``delta`` (δ), ``beta`` (β), ``kl_bias_correction``
+    (``use_bias_correction_kl``), ``loss_type`` and ``max_completion_length`` (dr_grpo's L_max).
+    """
+
+    importance_sampling: ImportanceSampling = "off"
+    importance_sampling_max: float | None = 2.0
+    importance_sampling_min: float | None = None
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float | None = None
+    beta: float = 0.0
+    kl_bias_correction: bool = True
+    loss_type: LossType = "dapo"
+    max_completion_length: int | None = None
+
+
 def policy_loss(
     logps: Tensor,
     old_logps: Tensor,
     advantages: Tensor,
     mask: Tensor,
+    cfg: LossConfig,
     *,
     behaviour_logps: Tensor | None = None,
-    importance_sampling: ImportanceSampling = "off",
-    importance_sampling_max: float | None = 2.0,
-    importance_sampling_min: float | None = None,
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    delta: float | None = None,
     ref_logps: Tensor | None = None,
-    beta: float = 0.0,
-    kl_bias_correction: bool = True,
-    loss_type: LossType = "dapo",
-    max_completion_length: int | None = None,
     num_sequences: int | None = None,
     num_tokens: float | Tensor | None = None,
     num_chunks: int = 1,
@@ -252,31 +266,38 @@ def policy_loss(
 
     ``kl_bias_correction`` is TRL's ``use_bias_correction_kl`` (default True): the k3 term is
     multiplied by the PPO ratio r (value 1 on-policy, but it changes the gradient).
+    ``num_sequences``/``num_tokens``/``num_chunks`` describe the whole batch (see
+    ``aggregate_loss``); ``behaviour_logps`` (μ) and ``ref_logps`` are needed only when
+    ``cfg`` turns importance sampling or the KL term on.
     """
-    per_token = clipped_surrogate(logps, old_logps, advantages, epsilon_low, epsilon_high, delta)
-    if importance_sampling != "off":
+    per_token = clipped_surrogate(
+        logps, old_logps, advantages, cfg.epsilon_low, cfg.epsilon_high, cfg.delta
+    )
+    if cfg.importance_sampling != "off":
         if behaviour_logps is None:
-            raise ValueError(f"importance_sampling={importance_sampling!r} needs behaviour_logps")
+            raise ValueError(
+                f"importance_sampling={cfg.importance_sampling!r} needs behaviour_logps"
+            )
         per_token = per_token * importance_weights(
             old_logps,
             behaviour_logps,
             mask,
-            importance_sampling,
-            importance_sampling_max,
-            importance_sampling_min,
+            cfg.importance_sampling,
+            cfg.importance_sampling_max,
+            cfg.importance_sampling_min,
         )
-    if beta != 0.0:
+    if cfg.beta != 0.0:
         if ref_logps is None:
             raise ValueError("beta != 0 needs ref_logps")
         kl = kl_k3(logps, ref_logps)
-        if kl_bias_correction:
+        if cfg.kl_bias_correction:
             kl = kl * torch.exp(logps - old_logps)
-        per_token = per_token + beta * kl
+        per_token = per_token + cfg.beta * kl
     return aggregate_loss(
         per_token,
         mask,
-        loss_type,
-        max_completion_length=max_completion_length,
+        cfg.loss_type,
+        max_completion_length=cfg.max_completion_length,
         num_sequences=num_sequences,
         num_tokens=num_tokens,
         num_chunks=num_chunks,

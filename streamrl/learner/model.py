@@ -14,7 +14,7 @@ from streamrl.learner.config import LearnerConfig
 from streamrl.models.local import require_model_dir
 
 
-def resolve_device(name: str) -> torch.device:
+def _resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
@@ -33,7 +33,7 @@ def load_model(cfg: LearnerConfig) -> tuple[nn.Module, Any, torch.device]:
     """The model to train (a peft model when ``lora_r > 0``), its tokenizer, and the device."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    device = resolve_device(cfg.device)
+    device = _resolve_device(cfg.device)
     dtype = getattr(torch, cfg.dtype)
     require_model_dir(cfg.model, "learner.model")
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)

@@ -30,20 +30,20 @@ from streamrl.bus.keys import Keys
 from streamrl.learner._failpoints import failpoint
 from streamrl.learner.checkpoint import fsync_path
 
-TMP_PREFIX = ".tmp-"
+_TMP_PREFIX = ".tmp-"
 
 
-def version_dir(policy_dir: Path, version: int) -> Path:
+def _version_dir(policy_dir: Path, version: int) -> Path:
     return policy_dir / f"v{version}"
 
 
-def write_policy(model: Any, tokenizer: Any, policy_dir: Path, version: int) -> Path:
+def _write_policy(model: Any, tokenizer: Any, policy_dir: Path, version: int) -> Path:
     """Write the weights of ``version`` unless they are already on disk."""
-    final = version_dir(policy_dir, version)
+    final = _version_dir(policy_dir, version)
     if final.is_dir():
         return final
     policy_dir.mkdir(parents=True, exist_ok=True)
-    tmp = policy_dir / f"{TMP_PREFIX}v{version}-{os.getpid()}"
+    tmp = policy_dir / f"{_TMP_PREFIX}v{version}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     from transformers.utils import logging as hf_logging
@@ -60,7 +60,7 @@ def write_policy(model: Any, tokenizer: Any, policy_dir: Path, version: int) -> 
     return final
 
 
-def last_announced(r: redis.Redis, keys: Keys) -> int:
+def _last_announced(r: redis.Redis, keys: Keys) -> int:
     """The newest version on the policy stream, -1 if none."""
     rows = r.xrevrange(keys.policy, count=1)
     if not rows:
@@ -69,21 +69,21 @@ def last_announced(r: redis.Redis, keys: Keys) -> int:
     return schema.POLICY_VERSION.decode(fields[b"p"]).version
 
 
-def announce(r: redis.Redis, keys: Keys, version: schema.PolicyVersion) -> bool:
+def _announce(r: redis.Redis, keys: Keys, version: schema.PolicyVersion) -> bool:
     """XADD the announcement unless the stream already has this version or a newer one."""
-    if last_announced(r, keys) >= version.version:
+    if _last_announced(r, keys) >= version.version:
         return False
     r.xadd(keys.policy, {"p": schema.encode(version)})
     return True
 
 
-def prune(policy_dir: Path, newest: int, keep: int) -> None:
+def _prune(policy_dir: Path, newest: int, keep: int) -> None:
     """Delete versions older than the ``keep`` newest, and half-written ones."""
     if not policy_dir.is_dir():
         return
     for p in policy_dir.iterdir():
         old = p.name.startswith("v") and p.name[1:].isdigit() and int(p.name[1:]) <= newest - keep
-        if old or p.name.startswith(TMP_PREFIX):
+        if old or p.name.startswith(_TMP_PREFIX):
             shutil.rmtree(p, ignore_errors=True)
 
 
@@ -98,7 +98,7 @@ def publish(
     lora: bool,
     keep: int,
 ) -> schema.PolicyVersion:
-    path = write_policy(model, tokenizer, policy_dir, version)
+    path = _write_policy(model, tokenizer, policy_dir, version)
     failpoint("after_policy_write", step)
     pv = schema.PolicyVersion(
         version=version,
@@ -107,7 +107,7 @@ def publish(
         format="lora" if lora else "safetensors",
         created_at=schema.now(),
     )
-    announce(r, keys, pv)
+    _announce(r, keys, pv)
     failpoint("after_announce", step)
-    prune(policy_dir, version, keep)
+    _prune(policy_dir, version, keep)
     return pv

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import structlog
 
-REPORTERS = ("tensorboard", "wandb")
+_REPORTERS = ("tensorboard", "wandb")
 log = structlog.get_logger("streamrl.learner")
 
 
@@ -28,11 +28,11 @@ def targets(report_to: str | list[str]) -> list[str]:
     """``report_to`` as a list of reporters; ``ValueError`` names an unknown one."""
     names = [report_to] if isinstance(report_to, str) else list(report_to)
     if "all" in names:
-        return list(REPORTERS)
+        return list(_REPORTERS)
     out = [n for n in names if n != "none"]
-    unknown = [n for n in out if n not in REPORTERS]
+    unknown = [n for n in out if n not in _REPORTERS]
     if unknown:
-        allowed = ", ".join(("none", "all", *REPORTERS))
+        allowed = ", ".join(("none", "all", *_REPORTERS))
         raise ValueError(f"report_to: unknown {', '.join(map(repr, unknown))} (one of {allowed})")
     return list(dict.fromkeys(out))
 
@@ -79,12 +79,12 @@ def step_scalars(stats: Any, staleness: Mapping[str, int], since_last_s: float) 
     }
 
 
-class Reporter(Protocol):
+class _Reporter(Protocol):
     def log(self, step: int, scalars: Mapping[str, float]) -> None: ...
     def close(self) -> None: ...
 
 
-class TensorBoard:
+class _TensorBoard:
     """Event files through torch's ``SummaryWriter`` (needs the ``tensorboard`` package)."""
 
     def __init__(self, log_dir: Path):
@@ -107,7 +107,7 @@ class TensorBoard:
         self.writer.close()
 
 
-class WandB:
+class _WandB:
     """A wandb run in ``<output_dir>/wandb``, resumed across learner restarts (same id)."""
 
     def __init__(self, out: Path, run: str, config: Mapping[str, Any]):
@@ -153,7 +153,7 @@ class Reporters:
     """Every configured reporter; a reporter that fails while logging is closed and dropped
     with one error line (curves are worth less than the training run)."""
 
-    def __init__(self, reporters: list[Reporter]):
+    def __init__(self, reporters: list[_Reporter]):
         self.reporters = reporters
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
@@ -178,10 +178,10 @@ def make_reporters(
     report_to: str | list[str], out: Path, run: str, config: Mapping[str, Any]
 ) -> Reporters:
     """The reporters ``report_to`` names, writing under the learner's output dir ``out``."""
-    reps: list[Reporter] = []
+    reps: list[_Reporter] = []
     for name in targets(report_to):
         if name == "tensorboard":
-            reps.append(TensorBoard(out / "runs"))
+            reps.append(_TensorBoard(out / "runs"))
         elif name == "wandb":
-            reps.append(WandB(out, run, config))
+            reps.append(_WandB(out, run, config))
     return Reporters(reps)

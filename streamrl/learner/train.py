@@ -116,6 +116,7 @@ def chunk_loss(
 ) -> ChunkLoss:
     """The loss of ``batch[rows]``, normalised by the whole batch so that the chunks' losses
     sum to the batch loss (see ``batch_loss``)."""
+    loss_cfg = cfg.loss_config()
     device = next(model.parameters()).device
     ids = batch.input_ids[rows].to(device)
     attn = batch.attention_mask[rows].to(device)
@@ -132,7 +133,7 @@ def chunk_loss(
     old = logps.detach()
     known = mask.bool() & ~torch.isnan(behaviour)
     ratio = torch.exp(old - torch.nan_to_num(behaviour))[known]
-    lo, hi = cfg.importance_sampling_min, cfg.importance_sampling_max
+    lo, hi = loss_cfg.importance_sampling_min, loss_cfg.importance_sampling_max
     outside = (ratio > (math.inf if hi is None else hi)) | (ratio < (lo or 0.0))
     if cfg.clip_against == "behaviour":
         old = torch.where(torch.isnan(behaviour), old, behaviour)
@@ -140,10 +141,10 @@ def chunk_loss(
         ppo = torch.exp(logps.detach() - old)
         adv = batch.advantages[rows].to(device).reshape(-1, 1).expand_as(ppo)
         on = mask.bool()
-        clipped_low = int(((ppo < 1 - cfg.epsilon) & (adv < 0) & on).sum())
-        clipped_high = int(((ppo > 1 + cfg.eps_high) & (adv > 0) & on).sum())
+        clipped_low = int(((ppo < 1 - loss_cfg.epsilon_low) & (adv < 0) & on).sum())
+        clipped_high = int(((ppo > 1 + loss_cfg.epsilon_high) & (adv > 0) & on).sum())
     ref = None
-    if cfg.beta != 0.0:
+    if loss_cfg.beta != 0.0:
         if ref_model is None:
             raise ValueError("beta != 0 needs a reference model")
         with torch.no_grad():
@@ -153,18 +154,9 @@ def chunk_loss(
         old,
         batch.advantages[rows].to(device),
         mask,
+        loss_cfg,
         behaviour_logps=behaviour,
-        importance_sampling=cfg.importance_sampling,  # type: ignore[arg-type]
-        importance_sampling_max=cfg.importance_sampling_max,
-        importance_sampling_min=cfg.importance_sampling_min,
-        epsilon_low=cfg.epsilon,
-        epsilon_high=cfg.eps_high,
-        delta=cfg.delta,
         ref_logps=ref,
-        beta=cfg.beta,
-        kl_bias_correction=cfg.use_bias_correction_kl,
-        loss_type=cfg.loss_type,  # type: ignore[arg-type]
-        max_completion_length=cfg.max_completion_length,
         num_sequences=batch.num_sequences,
         num_tokens=float(batch.num_tokens),
         num_chunks=num_chunks,

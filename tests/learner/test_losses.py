@@ -109,3 +109,14 @@ def test_entropy_target_must_be_positive():
 
     with pytest.raises(msgspec.ValidationError, match="entropy_target"):
         LearnerConfig(model="m", entropy_target=0.0)
+
+
+def test_loss_config_carries_the_learner_settings_in_loss_names():
+    cfg = LearnerConfig(model="m", epsilon=0.1, beta=0.3, use_bias_correction_kl=False)
+    loss_cfg = cfg.loss_config()
+    assert loss_cfg.epsilon_low == loss_cfg.epsilon_high == 0.1  # epsilon_high None → epsilon
+    assert (loss_cfg.beta, loss_cfg.kl_bias_correction) == (0.3, False)
+    assert loss_cfg.importance_sampling == "token_truncate" and loss_cfg.loss_type == "dapo"
+    assert LearnerConfig(model="m", epsilon_high=0.28).loss_config().epsilon_high == 0.28
+    with pytest.raises(AttributeError):
+        loss_cfg.beta = 0.0  # type: ignore[misc]  # frozen: one run, one set of loss settings

@@ -327,22 +327,25 @@ def test_clipping_and_kl_match_trl(model_dir, data, tmp_path, loss_type):
     ratio = torch.exp(logps.detach() - old)
     mask = out["completion_mask"].float()
     assert ((ratio - 1).abs() * mask).max() > 0.1  # the clip is really exercised
-    mine_loss = losses.policy_loss(
-        logps,
-        old,
-        out["advantages"],
-        mask,
-        behaviour_logps=out["sampling_per_token_logps"],
+    loss_cfg = losses.LossConfig(
         importance_sampling="token_truncate",
         importance_sampling_max=2.0,
         epsilon_low=0.05,
         epsilon_high=0.08,
         delta=1.1,
-        ref_logps=out["ref_per_token_logps"],
         beta=0.3,
         kl_bias_correction=True,
         loss_type=loss_type,
         max_completion_length=MAX_COMPLETION,
+    )
+    mine_loss = losses.policy_loss(
+        logps,
+        old,
+        out["advantages"],
+        mask,
+        loss_cfg,
+        behaviour_logps=out["sampling_per_token_logps"],
+        ref_logps=out["ref_per_token_logps"],
     )
     mine_loss.backward()
     trl_grads = {n: p.grad for n, p in trainer.model.named_parameters()}

@@ -1,0 +1,109 @@
+"""What every learner process does before its first step, rank 0 and data-parallel followers
+alike: process settings, then the model, the reference model, the optimizer and the
+checkpoint to resume from.
+
+Rank 0 chooses the checkpoint (the newest complete one) and tells the other ranks, so every
+rank restores the same weights, optimizer moments and RNG state. The collectives below run in
+the same order on every rank: the checkpoint's path, DDP's broadcast of rank 0's weights, the
+process ids.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import structlog
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from streamrl.learner.checkpoint import (
+    LearnerState,
+    clean_temporaries,
+    latest_checkpoint,
+    restore_checkpoint,
+)
+from streamrl.learner.config import LearnerConfig
+from streamrl.learner.distributed import DataParallel, world_size, wrap
+from streamrl.learner.model import AdapterDisabled, load_model, load_reference, seed_everything
+from streamrl.learner.train import make_optimizer
+
+
+def start_process(
+    cfg: LearnerConfig, run: str, stop: threading.Event
+) -> tuple[LearnerConfig, DataParallel | None]:
+    """Join the data-parallel job if there is one (its rank's device replaces ``device``),
+    let SIGTERM/SIGINT set ``stop`` on rank 0, set torch's threads, the log context and the
+    seeds. Returns the config this process trains with."""
+    dp = DataParallel.init(cfg) if world_size() > 1 else None
+    if dp is not None:
+        cfg = msgspec.structs.replace(cfg, device=str(dp.device))
+    if dp is None or dp.leader:
+        _stop_on_signals(stop)  # other ranks die of SIGTERM: rank 0 stops them with a command
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    structlog.contextvars.bind_contextvars(
+        run=run,
+        role="learner",
+        worker=f"{socket.gethostname()}-{os.getpid()}",
+        **({"rank": dp.rank} if dp else {}),
+    )
+    seed_everything(cfg.seed)
+    return cfg, dp
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+
+@dataclass
+class Training:
+    """What a rank trains with, restored from ``restored`` (None: a fresh start)."""
+
+    model: nn.Module
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    ref_model: nn.Module | None
+    state: LearnerState
+    restored: Path | None
+    ddp: DistributedDataParallel | None = None  # data parallel: the model wrapped in DDP
+    rank_pids: list[int] = field(default_factory=list)  # data parallel: every rank's pid
+
+
+def load_training(cfg: LearnerConfig, out: Path, dp: DataParallel | None) -> Training:
+    """The model, its reference (only with ``beta`` != 0: the adapter switched off under
+    LoRA, else a frozen copy), AdamW, and the checkpoint under ``out`` restored into them."""
+    model, tokenizer, device = load_model(cfg)
+    ref_model = None
+    if cfg.beta != 0.0:
+        ref_model = AdapterDisabled(model) if cfg.lora_r > 0 else load_reference(cfg, device)
+    optimizer = make_optimizer(model, cfg)
+    path = _checkpoint_to_restore(out / "checkpoints", dp)
+    state = restore_checkpoint(path, model, optimizer) if path else LearnerState()
+    training = Training(model, tokenizer, optimizer, ref_model, state, path)
+    if dp is not None:
+        training.ddp = wrap(model, dp)
+        training.rank_pids = dp.gather_pids()
+    return training
+
+
+def _checkpoint_to_restore(ckpt_dir: Path, dp: DataParallel | None) -> Path | None:
+    """Rank 0: the newest complete checkpoint (half-written ones are removed first), sent to
+    the other ranks; they restore what it sends."""
+    if dp is not None and not dp.leader:
+        sent = dp.broadcast_text(None)
+        return Path(sent) if sent else None
+    clean_temporaries(ckpt_dir)
+    path = latest_checkpoint(ckpt_dir)
+    if dp is not None:
+        dp.broadcast_text(str(path) if path else "")
+    return path
