@@ -19,7 +19,7 @@ from streamrl.cli.sandbox import sandbox_group
 from streamrl.cli.streams import export, replay, reverify, trim
 
 
-class _Group(click.Group):
+class Group(click.Group):
     """No traceback reaches a user: an error that no command turned into a message becomes
     one line, ``Error: <kind>: <what>`` with passwords masked, and exit status 1.
     ``streamrl --debug`` (or ``STREAMRL_DEBUG=1``) lets the traceback through instead."""
@@ -40,7 +40,7 @@ class _Group(click.Group):
             raise click.ClickException(redact(f"{type(e).__name__}: {text}")) from None
 
 
-@click.group(cls=_Group)
+@click.group(cls=Group)
 @click.option(
     "--redis",
     "redis_url",
