@@ -31,7 +31,7 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str  # a Hugging Face model directory (config, weights, tokenizer)
     output_dir: str = ""  # checkpoints/ and policy/ live here; "" → .streamrl/<run>/learner
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
     seed: int = 0
     torch_threads: int = 0  # CPU threads for torch; 0 leaves torch's default
 

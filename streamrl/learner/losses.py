@@ -75,13 +75,18 @@ def group_advantages(
     return centred / (std + eps)
 
 
+def _at_least_float32(x: Tensor) -> Tensor:
+    """Half-precision logits are widened to float32 for the softmax; float64 stays float64."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def token_logps(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
     """log softmax(logits / temperature)[token]: the log-probability of each token under the
     sampling distribution at ``temperature`` (TRL divides the logits by ``args.temperature``
     the same way, so that they compare with the sampler's log-probs)."""
     if temperature != 1.0:
         logits = logits / temperature
-    logits = logits.float()
+    logits = _at_least_float32(logits)
     picked = torch.gather(logits, -1, tokens.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
 
@@ -93,7 +98,7 @@ def token_entropy(logits: Tensor, mask: Tensor, temperature: float = 1.0) -> Ten
     rows = logits[mask.bool()]
     if temperature != 1.0:
         rows = rows / temperature
-    logp = torch.log_softmax(rows.float(), dim=-1)
+    logp = torch.log_softmax(_at_least_float32(rows), dim=-1)
     return -(logp.exp() * logp).sum(-1)
 
 
