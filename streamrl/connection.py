@@ -37,12 +37,12 @@ from streamrl.defaults import (
     SOCKET_TIMEOUT_S,
 )
 
-ENV_URL = "STREAMRL_REDIS_URL"
-ENV_CONTROL_URL = "STREAMRL_CONTROL_URL"
+_ENV_URL = "STREAMRL_REDIS_URL"
+_ENV_CONTROL_URL = "STREAMRL_CONTROL_URL"
 # set by `streamrl worker` and WorkerProcs for rq workers whose data Redis is not rq's own
 ENV_DATA_URL = "STREAMRL_DATA_URL"
-CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
-URL_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
+_CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+_URL_SCHEMES = ("redis://", "rediss://", "unix://", *_CLUSTER_SCHEMES)
 _PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@\s]+@", re.IGNORECASE)
 
 
@@ -53,7 +53,7 @@ def redact(text: str) -> str:
 
 def check_url(url: str) -> str:
     """``url`` if it is a Redis URL, else a ValueError that says what one looks like."""
-    if not url.startswith(URL_SCHEMES):
+    if not url.startswith(_URL_SCHEMES):
         hint = f" (did you mean redis://{redact(url)} ?)" if "://" not in url else ""
         raise ValueError(
             f"{redact(url)!r} is not a Redis URL: it must start with redis://, rediss://, "
@@ -62,8 +62,8 @@ def check_url(url: str) -> str:
     return url
 
 
-def is_cluster_url(url: str) -> bool:
-    return url.startswith(CLUSTER_SCHEMES)
+def _is_cluster_url(url: str) -> bool:
+    return url.startswith(_CLUSTER_SCHEMES)
 
 
 def is_cluster(client: Any) -> bool:
@@ -79,19 +79,19 @@ def _plain_url(url: str) -> str:
 def control_url(data_url: str, control: str | None = None) -> str:
     """The plain Redis for rq: ``control``, else ``STREAMRL_CONTROL_URL``, else the data
     Redis itself when it is not a cluster."""
-    url = control or os.environ.get(ENV_CONTROL_URL)
+    url = control or os.environ.get(_ENV_CONTROL_URL)
     if url:
         check_url(url)
-        if is_cluster_url(url):
+        if _is_cluster_url(url):
             raise ValueError(
                 f"{redact(url)!r}: rq cannot use a Redis Cluster; give the control Redis as a "
                 "plain redis:// URL"
             )
         return url
-    if is_cluster_url(data_url):
+    if _is_cluster_url(data_url):
         raise ValueError(
             f"the data Redis {redact(data_url)!r} is a Redis Cluster, which rq cannot use: give "
-            f"a plain Redis for rq's queues with --control-redis URL or {ENV_CONTROL_URL}"
+            f"a plain Redis for rq's queues with --control-redis URL or {_ENV_CONTROL_URL}"
         )
     return data_url
 
@@ -99,7 +99,7 @@ def control_url(data_url: str, control: str | None = None) -> str:
 _RETRY_ON = (redis.ConnectionError, redis.TimeoutError)
 
 
-def running_embedded_url(run_dir: str | Path = RUN_DIR) -> str | None:
+def _running_embedded_url(run_dir: str | Path = RUN_DIR) -> str | None:
     """The URL of a server started by ``streamrl up`` in this directory, if it still answers."""
     path = Path(run_dir) / "redis.url"
     if not path.exists():
@@ -113,14 +113,14 @@ def running_embedded_url(run_dir: str | Path = RUN_DIR) -> str | None:
 
 
 def resolve_url(url: str | None, run_dir: str | Path = RUN_DIR) -> str | None:
-    return url or os.environ.get(ENV_URL) or running_embedded_url(run_dir)
+    return url or os.environ.get(_ENV_URL) or _running_embedded_url(run_dir)
 
 
 def _backoff() -> ExponentialBackoff:
     return ExponentialBackoff(cap=RECONNECT_CAP_S, base=RECONNECT_BASE_S)
 
 
-def sync_retry() -> Retry:
+def _sync_retry() -> Retry:
     return Retry(_backoff(), RECONNECT_RETRIES, supported_errors=_RETRY_ON)
 
 
@@ -130,7 +130,7 @@ def async_retry() -> redis.asyncio.retry.Retry:
 
 def make_resilient(client: redis.Redis) -> redis.Redis:
     """Give an existing client (rq's, built from its CLI flags) the reconnecting retry."""
-    client.set_retry(sync_retry())
+    client.set_retry(_sync_retry())
     return client
 
 
@@ -143,7 +143,7 @@ def _client_kwargs(resilient: bool, asynchronous: bool) -> dict[str, Any]:
         "health_check_interval": 30,
     }
     if resilient:
-        kw["retry"] = async_retry() if asynchronous else sync_retry()
+        kw["retry"] = async_retry() if asynchronous else _sync_retry()
     return kw
 
 
@@ -156,7 +156,7 @@ def _cluster_kwargs(resilient: bool, asynchronous: bool) -> dict[str, Any]:
 def connect(url: str, resilient: bool = False) -> Any:
     """A sync client: ``redis.Redis``, or ``redis.RedisCluster`` for a cluster URL (same
     commands; every Lua script streamrl runs touches keys of one hash slot)."""
-    if is_cluster_url(url):
+    if _is_cluster_url(url):
         return redis.RedisCluster.from_url(
             _plain_url(url), **_cluster_kwargs(resilient, asynchronous=False)
         )
@@ -164,7 +164,7 @@ def connect(url: str, resilient: bool = False) -> Any:
 
 
 def connect_async(url: str, resilient: bool = False) -> Any:
-    if is_cluster_url(url):
+    if _is_cluster_url(url):
         return redis.asyncio.RedisCluster.from_url(
             _plain_url(url), **_cluster_kwargs(resilient, asynchronous=True)
         )

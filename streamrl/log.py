@@ -21,21 +21,21 @@ from typing import Any
 
 import structlog
 
-ENV_FORMAT = "STREAMRL_LOG_FORMAT"
-ENV_LEVEL = "STREAMRL_LOG_LEVEL"
+_ENV_FORMAT = "STREAMRL_LOG_FORMAT"
+_ENV_LEVEL = "STREAMRL_LOG_LEVEL"
 FORMATS = ("auto", "json", "console")
-ALWAYS = ("run", "role", "worker")  # present on every line
+_ALWAYS = ("run", "role", "worker")  # present on every line
 
 
 def _standard_keys(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> Any:
-    for key in ALWAYS:
+    for key in _ALWAYS:
         event.setdefault(key, None)
     return event
 
 
 def log_format(fmt: str | None = None) -> str:
     """``json`` or ``console``: ``fmt``, else ``STREAMRL_LOG_FORMAT``, else by terminal."""
-    fmt = (fmt or os.environ.get(ENV_FORMAT) or "auto").strip().lower()
+    fmt = (fmt or os.environ.get(_ENV_FORMAT) or "auto").strip().lower()
     if fmt not in FORMATS:
         raise ValueError(f"log format {fmt!r}: expected one of {', '.join(FORMATS)}")
     if fmt == "auto":
@@ -44,7 +44,7 @@ def log_format(fmt: str | None = None) -> str:
 
 
 def log_level(level: int | str | None = None) -> int:
-    value = level if level is not None else os.environ.get(ENV_LEVEL, "info")
+    value = level if level is not None else os.environ.get(_ENV_LEVEL, "info")
     if isinstance(value, int):
         return value
     named = logging.getLevelNamesMapping().get(value.strip().upper())
@@ -57,7 +57,7 @@ def configure(level: int | str | None = None, fmt: str | None = None) -> None:
     """Set structlog up for this process (idempotent; a later call with a format wins)."""
     chosen = log_format(fmt)
     if fmt and fmt != "auto":
-        os.environ[ENV_FORMAT] = chosen  # child processes (rq work horses) log the same way
+        os.environ[_ENV_FORMAT] = chosen  # child processes (rq work horses) log the same way
     renderer = (
         structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())  # no escapes in a file
         if chosen == "console"

@@ -30,7 +30,7 @@ def _text(content: Any) -> str:
     raise ValueError(f"message content must be text or a list of parts, got {type(content)}")
 
 
-def item_from_json(raw: Any, where: str = "item") -> Item:
+def _item_from_json(raw: Any, where: str = "item") -> Item:
     """One Responses item (input or output form) as a streamrl item; ValueError says why not."""
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: expected an object, got {type(raw).__name__}")
@@ -60,7 +60,7 @@ def items_from_json(raw: Any, where: str = "input") -> list[Item]:
         return [Message(role="user", content=raw)]
     if not isinstance(raw, list):
         raise ValueError(f"{where}: expected a string or a list of items")
-    items = [item_from_json(x, f"{where} item {i}") for i, x in enumerate(raw)]
+    items = [_item_from_json(x, f"{where} item {i}") for i, x in enumerate(raw)]
     for i, item in enumerate(items):  # the Literal role, checked as the decoders check it
         try:
             msgspec.convert(msgspec.to_builtins(item), Item)
@@ -84,7 +84,7 @@ def input_json(items: list[Item]) -> list[dict[str, Any]]:
     return out
 
 
-def output_json(items: list[Item], prefix: str = "") -> list[dict[str, Any]]:
+def _output_json(items: list[Item], prefix: str = "") -> list[dict[str, Any]]:
     """Items in the Responses *output* form (``response.output``), with the ids and statuses
     the OpenAI types require. Non-assistant messages (an environment's reply) keep the input
     form, as NeMo Gym's multi-turn agents write them."""
@@ -140,7 +140,7 @@ def response_json(
         "created_at": int(created_at),
         "model": model,
         "status": "completed",
-        "output": output_json(output, prefix),
+        "output": _output_json(output, prefix),
         "parallel_tool_calls": True,
         "tool_choice": "auto",
         "tools": list(tools or []),

@@ -256,7 +256,7 @@ class DeadLetter(_Base, kw_only=True):
 
 # ---------------------------------------------------------------- codecs, built once per type
 
-encoder = msgspec.msgpack.Encoder()
+_encoder = msgspec.msgpack.Encoder()
 TASK = msgspec.msgpack.Decoder(Task)
 SESSION = msgspec.msgpack.Decoder(Session)
 TRAJECTORY = msgspec.msgpack.Decoder(Trajectory)
@@ -268,7 +268,7 @@ WORKER_POLICY = msgspec.msgpack.Decoder(WorkerPolicy)
 
 
 def encode(obj: msgspec.Struct) -> bytes:
-    return encoder.encode(obj)
+    return _encoder.encode(obj)
 
 
 def check_version(obj: Any) -> Any:

