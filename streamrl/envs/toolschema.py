@@ -13,43 +13,50 @@ properties, items and ``additionalProperties: false``; others are ignored. Types
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jsonschema_rs
-from jsonschema import Draft4Validator, Draft202012Validator, validators
-from jsonschema.exceptions import UnknownType, ValidationError
+
+if TYPE_CHECKING:
+    from jsonschema.exceptions import ValidationError
 
 # the order in which one value's own problems are reported (before its properties' or items')
 _OWN = ("type", "enum", "minimum", "maximum", "required", "additionalProperties")
 _KEYWORDS = ("type", "enum", "minimum", "maximum", "required", "properties", "items")
 
 
-def _no_extras(validator: Any, allowed: Any, instance: Any, schema: dict) -> Iterator[Any]:
-    """``additionalProperties: false`` only; a schema there is not enforced."""
-    if allowed is False:
-        yield from Draft202012Validator.VALIDATORS["additionalProperties"](
-            validator, allowed, instance, schema
-        )
+@functools.cache
+def _reporting_class() -> Any:
+    """The jsonschema validator class, built on the first wrong call: a worker whose calls are
+    all valid never imports jsonschema (~5 MB)."""
+    from jsonschema import Draft4Validator, Draft202012Validator, validators
 
+    def no_extras(validator: Any, allowed: Any, instance: Any, schema: dict) -> Iterator[Any]:
+        """``additionalProperties: false`` only; a schema there is not enforced."""
+        if allowed is False:
+            yield from Draft202012Validator.VALIDATORS["additionalProperties"](
+                validator, allowed, instance, schema
+            )
 
-_Validator = validators.create(
-    meta_schema=Draft202012Validator.META_SCHEMA,
-    validators={
-        **{k: Draft202012Validator.VALIDATORS[k] for k in _KEYWORDS},
-        "additionalProperties": _no_extras,
-    },
-    type_checker=Draft4Validator.TYPE_CHECKER,
-)
+    return validators.create(
+        meta_schema=Draft202012Validator.META_SCHEMA,
+        validators={
+            **{k: Draft202012Validator.VALIDATORS[k] for k in _KEYWORDS},
+            "additionalProperties": no_extras,
+        },
+        type_checker=Draft4Validator.TYPE_CHECKER,
+    )
 
 
 # validators by schema: a tool's schema is checked at every call, and building the validators
 # costs more than the check; the schema is held so that its id() is not reused
-_BUILT: dict[int, tuple[dict, Any, Any]] = {}
+_BUILT: dict[int, tuple[dict, dict, Any]] = {}
 
 
-def _validators(schema: dict[str, Any]) -> tuple[Any, Any]:
-    """(jsonschema validator, jsonschema-rs validator or None when it cannot compile)."""
+def _compiled(schema: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """(the object schema, its jsonschema-rs validator or None when that cannot compile it)."""
     hit = _BUILT.get(id(schema))
     if hit is None or hit[0] is not schema:
         if len(_BUILT) >= 256:
@@ -59,8 +66,14 @@ def _validators(schema: dict[str, Any]) -> tuple[Any, Any]:
             fast = jsonschema_rs.Draft4Validator(_enforced(full))
         except Exception:  # e.g. a type JSON Schema does not have: the slow path decides
             fast = None
-        hit = _BUILT[id(schema)] = (schema, _Validator(full), fast)
+        hit = _BUILT[id(schema)] = (schema, full, fast)
     return hit[1], hit[2]
+
+
+def _validators(schema: dict[str, Any]) -> tuple[Any, Any]:
+    """(jsonschema validator, jsonschema-rs validator or None)."""
+    full, fast = _compiled(schema)
+    return _reporting_class()(full), fast
 
 
 def _enforced(schema: Any) -> Any:
@@ -130,9 +143,11 @@ def validate_arguments(schema: dict[str, Any], args: Any) -> str | None:
     """None when ``args`` fits ``schema``, else what is wrong."""
     if not schema:
         return None if isinstance(args, dict) else "arguments must be a JSON object"
-    validator, fast = _validators(schema)
-    if fast is not None and fast.is_valid(args):
+    if (fast := _compiled(schema)[1]) is not None and fast.is_valid(args):
         return None
+    from jsonschema.exceptions import UnknownType
+
+    validator, _ = _validators(schema)
     try:
         errors = list(validator.iter_errors(args))
     except UnknownType:  # a type JSON Schema does not have: the schema is not checked
