@@ -19,6 +19,8 @@ from streamrl.defaults import LEARNER_GROUP
 from streamrl.learner.checkpoint import latest_checkpoint, read_state
 from streamrl.learner.config import LearnerConfig
 from streamrl.learner.loop import run_learner
+from streamrl.ops.status import collect
+from streamrl.ops.views import status_table
 from streamrl.schema import Group
 
 
@@ -64,6 +66,15 @@ def _hash(r, run: str) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in r.hgetall(Keys(run).learner).items()}
 
 
+def _status_text(r, run: str) -> str:
+    """What `streamrl status` prints for the run."""
+    from rich.console import Console
+
+    console = Console(record=True, width=250)
+    console.print(status_table(collect(r, run)))
+    return console.export_text()
+
+
 def test_solved_and_no_signal_groups_are_told_apart(redis_url, r, tiny_dir, tmp_path):
     """Zero-variance groups at the copy task's max_reward (1.0) are solved, those all alike
     below it have no signal; both stay in ``dropped_zero_variance`` (their sum), and the
@@ -91,6 +102,8 @@ def test_solved_and_no_signal_groups_are_told_apart(redis_url, r, tiny_dir, tmp_
     assert float(h["solved_rate"]) == pytest.approx(3 / 9, abs=1e-4)
     assert float(h["no_signal_rate"]) == pytest.approx(2 / 9, abs=1e-4)
     assert h["no_signal"] == ""  # 2 in a row is not a long stretch (default 200)
+    text = _status_text(r, "kinds")
+    assert "33% of the last 9 groups" in text and "22% of the last 9 groups" in text
     steps = [e for e in logs if e["event"] == "step"]
     assert steps and {"solved_rate", "no_signal_rate"} <= steps[-1].keys()
 
@@ -133,6 +146,8 @@ def test_stop_when_solved_checkpoints_publishes_and_says_so(redis_url, r, tiny_d
     assert h["status"] == "solved" and h["verdict"] == expected
     assert int(h["groups_solved"]) == 4 and int(h["groups_consumed"]) == 8  # the 8th decides
     assert float(h["solved_rate"]) == pytest.approx(0.8)
+    text = _status_text(r, "solved")
+    assert expected in text and "80% of the last 5 groups" in text
     # published: step 2 is not a sync step (sync_every 3), so the verdict published it
     announced = [schema.POLICY_VERSION.decode(f[b"p"]) for _, f in r.xrange(keys.policy)]
     assert announced[-1].step == 2 and announced[-1].version == state.policy_version == 1
@@ -169,3 +184,4 @@ def test_a_long_stretch_without_signal_says_so_once(redis_url, r, tiny_dir, tmp_
     assert int(h["groups_no_signal"]) == 7 and int(h["groups_consumed"]) == 7
     assert h["no_signal"] == line and float(h["no_signal_rate"]) == 1.0
     assert h["status"] == "stopped" and state.verdict == ""
+    assert line in " ".join(_status_text(r, "nosignal").split())  # may wrap
