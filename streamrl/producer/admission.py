@@ -168,6 +168,7 @@ class LearnerAdmission:
             learner=c.learner,
             filling=c.filling,
             zero_variance=c.zero_variance,
+            verdict=c.verdict,
         )
 
     def in_flight(self) -> tuple[int, int | None]:

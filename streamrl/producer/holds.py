@@ -81,4 +81,6 @@ def _window_hold(n: int, gate: Gate, since: float, max_drop_fraction: float) -> 
         f"window full: {gate.in_flight} samples in flight (limit {limit} = "
         "(max_staleness + 1) x batch); waiting for the learner to consume"
     )
+    if gate.verdict:  # it stopped itself: say why instead of waiting silently
+        msg += f"; the learner stopped: {gate.verdict}"
     return Hold(WINDOW_FULL, msg, gate.in_flight, limit, since)

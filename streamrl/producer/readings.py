@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import redis
 
 from streamrl.bus.keys import Keys
+from streamrl.bus.values import as_str
 
 _LEARNER_FIELDS = (
     "max_in_flight",
@@ -25,6 +26,7 @@ _LEARNER_FIELDS = (
     "dropped_invalid",
     "dropped_zero_variance",
     "updated_at",
+    "verdict",
 )
 
 MiB = 1024 * 1024
@@ -42,6 +44,7 @@ class Gate:
     learner: bool  # a learner has reported
     filling: bool = False  # the learner holds a part-filled batch: it waits for more groups
     zero_variance: int = 0  # of ``dropped``, the zero-variance samples: never charged
+    verdict: str = ""  # the learner stopped itself: the task is solved (learner.outcomes)
 
     @property
     def faults(self) -> int:
@@ -103,6 +106,7 @@ class Counters:
     learner: bool  # a learner has reported
     filling: bool  # the learner holds a part-filled batch
     zero_variance: int = 0  # of ``dropped``, samples of zero-variance groups
+    verdict: str = ""  # the learner's verdict ("" while it has none)
 
     @property
     def faults(self) -> int:
@@ -135,6 +139,7 @@ def read_counters(r: redis.Redis, keys: Keys, shards: list[Keys], group_size: in
         learner=any(x is not None for x in learner),
         filling=waiting > 0,
         zero_variance=min(dropped, zero_variance * group_size),
+        verdict=as_str(learner[7] or ""),
     )
 
 

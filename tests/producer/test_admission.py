@@ -356,6 +356,12 @@ def test_no_learner_and_full_window_say_so(r, run_name):
     FakeLearner(r, run_name, limit)
     hold = adm.hold(limit, adm.gate(), None, 0.0)
     assert hold.reason == WINDOW_FULL and "waiting for the learner" in hold.message
+    assert "stopped" not in hold.message
+    # a learner that stopped itself (stop_when_solved): the wait says why
+    verdict = "solved: 96% of the last 200 groups were solved by every sample at step 612"
+    r.hset(Keys(run_name).learner, mapping={"status": "solved", "verdict": verdict})
+    hold = adm.hold(limit, adm.gate(), None, 0.0)
+    assert hold.reason == WINDOW_FULL and hold.message.endswith(f"the learner stopped: {verdict}")
 
 
 def test_admission_table_in_run_config(tmp_path):
