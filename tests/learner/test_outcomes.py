@@ -185,3 +185,32 @@ def test_a_long_stretch_without_signal_says_so_once(redis_url, r, tiny_dir, tmp_
     assert h["no_signal"] == line and float(h["no_signal_rate"]) == 1.0
     assert h["status"] == "stopped" and state.verdict == ""
     assert line in " ".join(_status_text(r, "nosignal").split())  # may wrap
+
+
+def _fake_env(group: Group, env: str) -> Group:
+    samples = [
+        msgspec.structs.replace(s, trajectory=msgspec.structs.replace(s.trajectory, env=env))
+        for s in group.samples
+    ]
+    return msgspec.structs.replace(group, samples=samples)
+
+
+def test_an_environment_the_learner_cannot_load_uses_the_highest_reward_seen(tiny_dir):
+    """The documented fallback: without the environment's max_reward, a zero-variance group
+    is solved at the highest reward seen so far; the window keeps the last groups only."""
+    from streamrl.learner.outcomes import NO_SIGNAL, SIGNAL, SOLVED, Outcomes
+
+    base = make_groups(tiny_dir, 1, seed=1)[0]
+    assert base.reward_std > 0
+    top = max(s.score.reward for s in base.samples)
+    gone = "no_such_module_anywhere:Env"
+    out = Outcomes(window=3)
+    assert out.see(_fake_env(base, gone), False) == SIGNAL
+    assert out.see(_fake_env(_scored(base, top), gone), True) == SOLVED
+    assert out.see(_fake_env(_scored(base, top / 2), gone), True) == NO_SIGNAL
+    assert out.see(_fake_env(_scored(base, top), gone), True) == SOLVED
+    assert list(out.recent) == [SOLVED, NO_SIGNAL, SOLVED]  # the first fell out
+    assert out.rate(SOLVED) == pytest.approx(2 / 3, abs=1e-4)
+    # the copy environment loads: its max_reward (1.0) is the top, whatever was seen
+    copy = Outcomes(window=3)
+    assert copy.see(_scored(base, 0.5), True) == NO_SIGNAL
