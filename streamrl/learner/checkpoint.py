@@ -40,6 +40,10 @@ class Counters(msgspec.Struct, kw_only=True):
     dropped_zero_variance: int = 0
     dropped_no_tokens: int = 0
     dropped_invalid: int = 0
+    # of dropped_zero_variance (learner.outcomes): every sample at the top reward (solved),
+    # or all alike below it (no signal); solved + no_signal = zero_variance
+    groups_solved: int = 0
+    groups_no_signal: int = 0
     samples_consumed: int = 0
     tokens_trained: int = 0
     # off-policy evidence: applied groups by how many versions behind the learner they were
@@ -65,6 +69,17 @@ class Counters(msgspec.Struct, kw_only=True):
         reasons = ("stale", "zero_variance", "no_tokens", "invalid")
         return {r: round(getattr(self, f"dropped_{r}") / n, 4) for r in reasons}
 
+    def fields(self) -> dict[str, str | int | float]:
+        """As the learner's progress hash holds them (``streamrl status``, the metrics)."""
+        out: dict[str, str | int | float] = {
+            k: v for k, v in msgspec.structs.asdict(self).items() if not isinstance(v, dict)
+        }
+        out["applied_staleness"] = msgspec.json.encode(self.staleness).decode()
+        out["is_clipped_fraction"] = round(self.is_clipped / max(1, self.is_tokens), 4)
+        for reason, frac in self.drop_fractions().items():
+            out[f"dropped_fraction_{reason}"] = frac
+        return out
+
 
 class LearnerState(msgspec.Struct, kw_only=True):
     """Everything besides tensors that a restart needs. ``last_id``: the newest ``groups``
@@ -82,6 +97,25 @@ class LearnerState(msgspec.Struct, kw_only=True):
     checkpoint_step: int = 0
     checkpoint_time: float = 0.0
     entropy_coef: float | None = None  # the adaptive coefficient (None: config's entropy_coef)
+    # why this learner stopped itself: the one-line verdict of stop_when_solved ("" when it
+    # did not); a learner restarted from the checkpoint starts without one
+    verdict: str = ""
+
+    def fields(self, sharded: bool) -> dict[str, str | int | float]:
+        """Progress as the learner's hash holds it (the counters: ``Counters.fields``)."""
+        out: dict[str, str | int | float] = {
+            "step": self.step,
+            "policy_version": self.policy_version,
+            "last_id": self.last_id,
+            "last_checkpoint_step": self.checkpoint_step,
+            "last_checkpoint_time": self.checkpoint_time,
+            "reward_mean": self.reward_mean,
+            "loss": self.loss,
+            "verdict": self.verdict,
+        }
+        if sharded:
+            out["last_ids"] = msgspec.json.encode(self.last_ids).decode()
+        return out
 
 
 def _trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:

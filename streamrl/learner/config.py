@@ -96,6 +96,17 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     report_to: str | list[str] = "none"
     logging_steps: int = 10
 
+    # -- verdicts (learner.outcomes): zero-variance groups are solved (every sample at the top
+    # reward: solved_reward, else the environment's max_reward) or have no signal (all alike
+    # below it). stop_when_solved: stop (checkpoint, publish, exit 0 with a one-line verdict)
+    # once this share of the last solved_window groups is solved (None: never stop);
+    # no_signal_warn_groups: say so in one line after that many no-signal groups in a row
+    # (0: never). The rates in the step log and `streamrl status` are over solved_window.
+    stop_when_solved: float | None = None
+    solved_window: int = 200
+    solved_reward: float | None = None
+    no_signal_warn_groups: int = 200
+
     # -- stream reading
     block_ms: int = d.READ_BLOCK_MS
     read_count: int = 64
@@ -134,6 +145,12 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             (self.entropy_coef_max >= 0, "entropy_coef_max must be >= 0"),
             (self.dist_timeout_s > self.block_ms / 1000, "dist_timeout_s must exceed block_ms"),
             (self.logging_steps >= 1, "logging_steps must be >= 1"),
+            (
+                self.stop_when_solved is None or 0 < self.stop_when_solved <= 1,
+                "stop_when_solved must be in (0, 1] (or left out)",
+            ),
+            (self.solved_window >= 1, "solved_window must be >= 1"),
+            (self.no_signal_warn_groups >= 0, "no_signal_warn_groups must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:

@@ -16,6 +16,10 @@ Faults. When the run's fault key is set (a rollout worker stuck on an old policy
 ``streamrl.bus.health``), the learner checkpoints what it has and stops with ``RunFaulted``: one
 line with the reason, exit status 1 from ``streamrl learn``.
 
+Verdicts. Zero-variance groups are solved or have no signal (``streamrl.learner.outcomes``).
+With ``stop_when_solved`` the learner stops once the task is solved: it publishes and
+checkpoints what it has, logs the one-line ``LearnerState.verdict`` and returns.
+
 Shards. A sharded run has one ``groups`` stream per shard, read in turn; see
 ``streamrl.learner.reader``.
 
@@ -51,6 +55,7 @@ from streamrl.learner.checkpoint import Counters, LearnerState, save_checkpoint
 from streamrl.learner.config import LearnerConfig
 from streamrl.learner.distributed import DataParallel, Trainer, follow
 from streamrl.learner.losses import adapt_entropy_coef
+from streamrl.learner.outcomes import NO_SIGNAL, SOLVED, Outcomes
 from streamrl.learner.reader import GroupsReader, Ref, resolve_shards
 from streamrl.learner.report import Reporters, make_reporters, step_scalars
 from streamrl.learner.setup import load_training, start_process
@@ -110,6 +115,7 @@ def _open(
     lrn.reporters = make_reporters(cfg.report_to, out, run, msgspec.structs.asdict(cfg))
     run_config = read_config(r.get(keys.config))
     lrn.group_size = run_config.group_size if run_config else 0
+    t.state.verdict = ""  # a learner restarted after a verdict trains on
     restored = str(t.restored) if t.restored else None
     log.info("learner started", step=t.state.step, restored=restored)
     if t.restored is None:
@@ -142,14 +148,19 @@ def _train(lrn: _Learner, stop: threading.Event, exit_when_idle: float | None) -
 def _close(lrn: _Learner, dp: DataParallel | None, fault: str | None) -> None:
     """Checkpoint (and ack) the last steps, stop the other ranks, say why we stopped."""
     st = lrn.state
+    if st.verdict and st.step % lrn.cfg.sync_every:  # the last steps' weights, published
+        st.policy_version += 1
+        lrn.publish()
     if st.step > st.checkpoint_step:
         lrn.checkpoint()
     lrn.reporters.close()
     if lrn.trainer is not None and dp is not None:
         lrn.trainer.stop()
         dp.close()
-    lrn.report(status="stopped" if fault is None else "faulted")
+    lrn.report(status="faulted" if fault else "solved" if st.verdict else "stopped")
     log.info("learner stopped", step=st.step, **msgspec.structs.asdict(st.counters))
+    if st.verdict:
+        log.info(st.verdict)
     with contextlib.suppress(redis.RedisError):
         lrn.r.close()
 
@@ -198,6 +209,10 @@ class _Learner:
 
     reporters: Reporters = field(default_factory=lambda: Reporters([]))
     last_step_at: float = field(default_factory=time.monotonic)
+    outcomes: Outcomes = field(init=False)  # solved / no signal over the last groups
+
+    def __post_init__(self) -> None:
+        self.outcomes = Outcomes(self.cfg.solved_window, self.cfg.solved_reward)
 
     def covered(self, shard: int) -> str:
         """The newest entry of ``shard`` whose effect the checkpointed state holds."""
@@ -206,7 +221,9 @@ class _Learner:
         return self.state.last_ids.get(self.reader.shards[shard].label, "0-0")
 
     def done(self) -> bool:
-        return bool(self.cfg.total_steps) and self.state.step >= self.cfg.total_steps
+        """``total_steps`` reached, or the task solved (``stop_when_solved``)."""
+        st, total = self.state, self.cfg.total_steps
+        return bool(st.verdict) or (bool(total) and st.step >= total)
 
     def entropy_coef(self) -> float:
         """This step's entropy coefficient: the adapted one, else the configured one."""
@@ -239,7 +256,10 @@ class _Learner:
         w.counters.samples_consumed += len(group.samples)
         if not has_tokens(group):
             w.counters.dropped_no_tokens += 1
-        elif is_zero_variance(group):
+            return
+        zero = is_zero_variance(group)
+        self.outcomes.count(group, zero, w.counters)  # solved, no signal, or signal
+        if zero:
             w.counters.dropped_zero_variance += 1
         elif (behind := staleness(group, self.state.policy_version)) > self.cfg.max_staleness:
             w.counters.dropped_stale += 1
@@ -248,6 +268,15 @@ class _Learner:
             w.groups.append(group)
             if len(w.groups) == self.cfg.batch_groups:
                 self.step()
+        self._judge()
+
+    def _judge(self) -> None:
+        """Say so once the groups have had no signal for long; stop once the task is solved."""
+        cfg, st = self.cfg, self.state
+        if line := self.outcomes.no_signal(cfg.no_signal_warn_groups, st.step):
+            log.warning(line)
+        if not st.verdict:
+            st.verdict = self.outcomes.solved(cfg.stop_when_solved, st.step)
 
     # -- one optimizer step
     def step(self) -> None:
@@ -306,6 +335,8 @@ class _Learner:
         now = time.monotonic()
         scalars = step_scalars(stats, w.counters.staleness, now - self.last_step_at)
         scalars["train/entropy_coef"] = coef
+        solved, no_signal = self.outcomes.rate(SOLVED), self.outcomes.rate(NO_SIGNAL)
+        scalars.update({"groups/solved_rate": solved, "groups/no_signal_rate": no_signal})
         self.last_step_at = now
         if st.step % self.cfg.logging_steps == 0:
             log.info(
@@ -313,21 +344,16 @@ class _Learner:
                 entropy=round(stats.entropy, 4), entropy_coef=round(coef, 6),
                 grad_norm=round(stats.grad_norm, 4), lr=stats.lr, tokens=stats.tokens,
                 groups_consumed=consumed, dropped={k: v for k, v in drops.items() if v},
+                solved_rate=solved, no_signal_rate=no_signal,
             )  # fmt: skip
         self.reporters.log(st.step, scalars)
 
     def publish(self) -> None:
+        st, cfg = self.state, self.cfg
         pv = publish.publish(
-            self.r,
-            self.keys,
-            self.model,
-            self.tokenizer,
-            self.out / "policy",
-            self.state.policy_version,
-            self.state.step,
-            lora=self.cfg.lora_r > 0,
-            keep=self.cfg.keep_policy_versions,
-        )
+            self.r, self.keys, self.model, self.tokenizer, self.out / "policy",
+            st.policy_version, st.step, lora=cfg.lora_r > 0, keep=cfg.keep_policy_versions,
+        )  # fmt: skip
         structlog.contextvars.bind_contextvars(policy_version=pv.version)
         due = pv.version == 0 or self.state.step % self.cfg.logging_steps == 0
         (log.info if due else log.debug)("published", step=pv.step, path=pv.path)
@@ -352,28 +378,17 @@ class _Learner:
         fields: dict[str, str | int | float] = {
             "status": status,
             "pid": os.getpid(),
-            "step": st.step,
-            "policy_version": st.policy_version,
-            **{k: v for k, v in msgspec.structs.asdict(c).items() if not isinstance(v, dict)},
-            "applied_staleness": msgspec.json.encode(c.staleness).decode(),
-            "is_clipped_fraction": round(c.is_clipped / max(1, c.is_tokens), 4),
+            **st.fields(self.reader.sharded),
+            **c.fields(),  # counters, drop fractions, applied staleness
             "waiting_groups": len(self.window.groups),
-            "last_id": st.last_id,
             "shards": len(self.reader.shards),
-            "last_checkpoint_step": st.checkpoint_step,
-            "last_checkpoint_time": st.checkpoint_time,
-            "reward_mean": st.reward_mean,
-            "loss": st.loss,
             "updated_at": time.time(),
+            **self.outcomes.fields(),  # solved and no-signal rates over the last groups
         }
         if self.last is not None:
             fields.update(lr=self.last.lr, grad_norm=self.last.grad_norm)
             fields["entropy"] = round(self.last.entropy, 4)
         fields["entropy_coef"] = round(self.entropy_coef(), 6)
-        for reason, frac in c.drop_fractions().items():
-            fields[f"dropped_fraction_{reason}"] = frac
-        if self.reader.sharded:
-            fields["last_ids"] = msgspec.json.encode(st.last_ids).decode()
         if self.rank_pids:
             fields["ranks"] = len(self.rank_pids)
             fields["rank_pids"] = ",".join(map(str, self.rank_pids))

@@ -108,6 +108,21 @@ class Families:
         self.learner_waiting = g(
             "streamrl_learner_waiting_groups", "Accepted groups waiting for a batch.", labels=run
         )
+        self.learner_solved_rate = g(
+            "streamrl_learner_solved_rate",
+            "Share of the last solved_window groups that every sample solved (top reward).",
+            labels=run,
+        )
+        self.learner_no_signal_rate = g(
+            "streamrl_learner_no_signal_rate",
+            "Share of the last solved_window groups that all scored alike below the top.",
+            labels=run,
+        )
+        self.learner_no_signal = g(
+            "streamrl_learner_no_signal",
+            "1 while the groups have had no signal for no_signal_warn_groups in a row.",
+            labels=run,
+        )
         self.learner_max_in_flight = g(
             "streamrl_learner_max_in_flight_samples",
             "Admission limit the producer obeys.",
@@ -120,6 +135,16 @@ class Families:
             "streamrl_learner_groups_applied",
             "Groups trained on, by how many policy versions behind the learner they were.",
             labels=["run", "staleness"],
+        )
+        self.learner_solved = c(
+            "streamrl_learner_groups_solved",
+            "Zero-variance groups every sample solved (of the zero_variance drops).",
+            labels=run,
+        )
+        self.learner_no_signal_groups = c(
+            "streamrl_learner_groups_no_signal",
+            "Zero-variance groups all alike below the top reward (of the zero_variance drops).",
+            labels=run,
         )
         self.learner_samples = c(
             "streamrl_learner_samples_consumed", "Samples in the groups read.", labels=run

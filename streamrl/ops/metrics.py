@@ -46,7 +46,7 @@ from streamrl.ops.metric_feeds import RunFeeds
 
 log = structlog.get_logger("streamrl.ops.metrics")
 _LEARNER_DROP_REASONS = ("stale", "zero_variance", "no_tokens", "invalid")
-_LEARNER_STATUSES = ("running", "stopped", "faulted")
+_LEARNER_STATUSES = ("running", "stopped", "faulted", "solved")
 
 
 def _num(v: Any) -> float | None:
@@ -169,6 +169,8 @@ class _Collector(Collector):
             (f.learner_lr, "lr"),
             (f.learner_waiting, "waiting_groups"),
             (f.learner_max_in_flight, "max_in_flight"),
+            (f.learner_solved_rate, "solved_rate"),
+            (f.learner_no_signal_rate, "no_signal_rate"),
         )
         for family, key in gauges:
             if num.get(key) is not None:
@@ -179,9 +181,13 @@ class _Collector(Collector):
             (f.learner_tokens, "tokens_trained"),
             (f.learner_is_tokens, "is_tokens"),
             (f.learner_is_clipped, "is_clipped"),
+            (f.learner_solved, "groups_solved"),
+            (f.learner_no_signal_groups, "groups_no_signal"),
         )
         for family, key in counters:
             family.add_metric([run], num.get(key) or 0.0)
+        if "no_signal" in raw:
+            f.learner_no_signal.add_metric([run], 1 if raw["no_signal"] else 0)
         for reason in _LEARNER_DROP_REASONS:
             f.groups_dropped.add_metric([run, reason], num.get(f"dropped_{reason}") or 0.0)
         try:

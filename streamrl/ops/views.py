@@ -65,6 +65,14 @@ def status_table(info: dict[str, Any]) -> Table:
             "learner dropped",
             ", ".join(drops) or "none",
         )
+        if ln.get("outcome_window"):  # zero-variance groups: solved, or no signal
+            window = f" of the last {ln['outcome_window']} groups"
+            solved = f"{100 * float(ln.get('solved_rate') or 0):.0f}%{window}"
+            no_signal = f"{100 * float(ln.get('no_signal_rate') or 0):.0f}%{window}"
+            foot.add_row("solved", solved, "no signal", no_signal)
+        for key in ("verdict", "no_signal"):  # one line each, when there is one
+            if ln.get(key):
+                foot.add_row("learner", "", "", str(ln[key]))
     pr = info.get("producer") or {}
     if pr.get("state") == "waiting":
         foot.add_row("producer", f"waiting {pr.get('waiting_s', 0)} s", "", str(pr.get("message")))

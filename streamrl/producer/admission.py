@@ -43,7 +43,9 @@ class LearnerAdmission:
     **Window** (``readings.Window``): at most ``limit = (max_staleness + 1) x batch``
     samples may be in flight, the learner's published limit or, until it publishes one, the
     ``limit`` given here (``override`` keeps it for good). **Drop budget**
-    (``drop_budget``): dropped samples stay in flight as debt until useful ones pay for them.
+    (``drop_budget``): samples dropped for a fault (stale, no tokens, invalid, a failed
+    sample) stay in flight as debt until useful ones pay for them; zero-variance groups
+    (solved, or no signal) are the normal cost of GRPO sampling and settle at once.
     **Memory budget** (``memory_budget``): Redis stays under ``redis_memory_mb`` MiB and 80%
     of ``maxmemory``.
 
@@ -52,11 +54,13 @@ class LearnerAdmission:
     has all reached the learner ``in_flight`` is 0, and ``in_flight <= 0`` always admits (even
     a push larger than the window). The learner therefore never waits for a batch that the
     gate keeps from filling. (2) Debt needs a stretch in which more than the whole balance
-    is dropped; a run whose drop fraction stays below ``max_drop_fraction`` has a balance
-    that drifts up to its cap (per consumed sample ``r(1-p) - p > 0`` at drop fraction
-    ``p``), so that takes a sustained failure, not bad luck. (3) Even then the gate reopens:
-    every useful sample pays ``r`` of debt, and while the gate is closed on debt with
-    nothing left in the pipeline, one probe push gets through every ``drop_probe_s``.
+    is dropped for a fault (zero-variance drops are never charged: a run whose groups are
+    all solved keeps its gate open); a run whose fault fraction stays below
+    ``max_drop_fraction`` has a balance that drifts up to its cap (per consumed sample
+    ``r(1-p) - p > 0`` at fault fraction ``p``), so that takes a sustained failure, not bad
+    luck. (3) Even then the gate reopens: every useful sample pays ``r`` of debt, and while
+    the gate is closed on debt with nothing left in the pipeline, one probe push gets
+    through every ``drop_probe_s``.
     (4) A restarted learner's replayed groups are neither credited nor charged twice, and the
     replay needs no new pushes. (5) The memory budget lets a learner holding a part-filled
     batch with nothing else on its way have its push (Redis may go one push over then).
@@ -159,10 +163,12 @@ class LearnerAdmission:
             pushed=c.pushed,
             useful=c.useful,
             dropped=c.dropped,
-            debt=self._drops.settle(c.useful, c.dropped, limit),
+            debt=self._drops.settle(c.useful, c.faults, limit),
             limit=limit,
             learner=c.learner,
             filling=c.filling,
+            zero_variance=c.zero_variance,
+            verdict=c.verdict,
         )
 
     def in_flight(self) -> tuple[int, int | None]:

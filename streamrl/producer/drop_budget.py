@@ -1,6 +1,6 @@
 """The drop budget: dropped samples settle only as fast as training pays for them.
 
-Dropped samples (stale, zero-variance, no tokens or invalid groups the learner read and
+Samples dropped for a *fault* (stale, no tokens or invalid groups the learner read and
 discarded, and groups dropped at assembly because a sample failed) settle from a *waste
 balance*: it starts at one window (``limit``), grows by ``r = max_drop_fraction / (1 -
 max_drop_fraction)`` per useful sample (0.9: nine dropped samples per applied one), shrinks
@@ -9,6 +9,11 @@ does not bank credit that a later failure could spend. A negative balance is *de
 samples that stay in flight::
 
     in_flight = pushed - useful - dropped + debt;   push n when in_flight + n <= limit
+
+Zero-variance groups (every sample scored alike: all solved, or no signal) are not faults:
+they are the normal cost of GRPO sampling (DAPO keeps drawing until its batch is full), and a
+run that is doing well has more of them every step. They leave the pipeline (``dropped``) so
+the producer refills, but they are never charged: the balance sees only the fault drops.
 
 So a run that applies nothing (workers that never load new policies: every group stale)
 pushes at most about one window plus the balance (at most ``(1 + max(1, r)) x limit``
@@ -49,8 +54,9 @@ class DropBudget:
         return None if f >= 1.0 else round(f / (1.0 - f), 9)  # 0.9 -> 9, not 9.000000000000002
 
     def settle(self, useful: int, dropped: int, limit: int | None) -> int:
-        """Credit the useful samples and charge the dropped ones not seen before; the debt
-        (dropped samples the balance does not cover), 0 without a window or a budget."""
+        """Credit the useful samples and charge the fault drops (``dropped``: stale, no
+        tokens, invalid, failed; never zero-variance) not seen before; the debt (dropped
+        samples the balance does not cover), 0 without a window or a budget."""
         debt = 0
         ratio = self.ratio
         if limit and ratio is not None:

@@ -64,10 +64,10 @@ def _window_hold(n: int, gate: Gate, since: float, max_drop_fraction: float) -> 
         return None
     if gate.debt > 0:
         msg = (
-            f"drop budget exhausted: {gate.dropped} samples dropped (stale, zero-variance "
-            f"or failed) against {gate.useful} trained; {gate.debt} dropped samples wait "
-            f"for training to pay for them (max_drop_fraction {max_drop_fraction}). "
-            "Do the rollout workers load new policies? Do rewards vary within groups? "
+            f"drop budget exhausted: {gate.faults} samples dropped for a fault (stale, no "
+            f"tokens, invalid or a failed sample) against {gate.useful} trained; {gate.debt} "
+            f"dropped samples wait for training to pay for them (max_drop_fraction "
+            f"{max_drop_fraction}). Do the rollout workers load new policies? "
             "(Raise [admission] max_drop_fraction if this much waste is expected.)"
         )
         return Hold(DROP_BUDGET, msg, gate.in_flight, limit, since, gate.debt)
@@ -81,4 +81,6 @@ def _window_hold(n: int, gate: Gate, since: float, max_drop_fraction: float) -> 
         f"window full: {gate.in_flight} samples in flight (limit {limit} = "
         "(max_staleness + 1) x batch); waiting for the learner to consume"
     )
+    if gate.verdict:  # it stopped itself: say why instead of waiting silently
+        msg += f"; the learner stopped: {gate.verdict}"
     return Hold(WINDOW_FULL, msg, gate.in_flight, limit, since)

@@ -5,7 +5,9 @@ memory against its budget (``Memory``, read by ``memory_budget``).
 A sample is *useful* once the learner applied it or accepted it into the batch it is filling
 (``groups_applied`` and ``waiting_groups``), and *dropped* once the learner read and discarded
 its group (stale, zero-variance, no tokens, invalid) or its group was dropped at assembly
-because a sample failed."""
+because a sample failed. Of the dropped samples, the zero-variance ones (every sample of the
+group scored alike: solved or no signal) are the normal cost of GRPO sampling, not a fault:
+they leave the pipeline like any other, but the drop budget charges only the rest (``faults``)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import redis
 
 from streamrl.bus.keys import Keys
+from streamrl.bus.values import as_str
 
 _LEARNER_FIELDS = (
     "max_in_flight",
@@ -21,7 +24,9 @@ _LEARNER_FIELDS = (
     "groups_applied",
     "waiting_groups",
     "dropped_invalid",
+    "dropped_zero_variance",
     "updated_at",
+    "verdict",
 )
 
 MiB = 1024 * 1024
@@ -34,10 +39,17 @@ class Gate:
     pushed: int  # entries ever added to the tasks stream
     useful: int  # applied by the learner, or accepted into its open batch
     dropped: int  # dropped by the learner (stale, zero-variance, ...) or at group assembly
-    debt: int  # dropped samples that training has not paid for yet: they stay in flight
+    debt: int  # fault drops that training has not paid for yet: they stay in flight
     limit: int | None  # the window, (max_staleness + 1) x batch samples
     learner: bool  # a learner has reported
     filling: bool = False  # the learner holds a part-filled batch: it waits for more groups
+    zero_variance: int = 0  # of ``dropped``, the zero-variance samples: never charged
+    verdict: str = ""  # the learner stopped itself: the task is solved (learner.outcomes)
+
+    @property
+    def faults(self) -> int:
+        """Dropped samples the drop budget charges: stale, no tokens, invalid, failed."""
+        return max(0, self.dropped - self.zero_variance)
 
     @property
     def pipeline(self) -> int:
@@ -93,6 +105,13 @@ class Counters:
     published_limit: int  # the learner's max_in_flight (0: not published)
     learner: bool  # a learner has reported
     filling: bool  # the learner holds a part-filled batch
+    zero_variance: int = 0  # of ``dropped``, samples of zero-variance groups
+    verdict: str = ""  # the learner's verdict ("" while it has none)
+
+    @property
+    def faults(self) -> int:
+        """Dropped samples that the drop budget charges (``dropped`` less zero-variance)."""
+        return max(0, self.dropped - self.zero_variance)
 
 
 def read_counters(r: redis.Redis, keys: Keys, shards: list[Keys], group_size: int) -> Counters:
@@ -107,7 +126,9 @@ def read_counters(r: redis.Redis, keys: Keys, shards: list[Keys], group_size: in
     pushed, assembly_dropped = _shard_totals(per_shard)
     if isinstance(learner, Exception):
         raise learner
-    limit, consumed, applied, waiting, invalid = (int(float(x or 0)) for x in learner[:5])
+    limit, consumed, applied, waiting, invalid, zero_variance = (
+        int(float(x or 0)) for x in learner[:6]
+    )
     useful = (applied + waiting) * group_size
     dropped = max(0, consumed + invalid * group_size - useful) + assembly_dropped * group_size
     return Counters(
@@ -117,6 +138,8 @@ def read_counters(r: redis.Redis, keys: Keys, shards: list[Keys], group_size: in
         published_limit=limit,
         learner=any(x is not None for x in learner),
         filling=waiting > 0,
+        zero_variance=min(dropped, zero_variance * group_size),
+        verdict=as_str(learner[7] or ""),
     )
 
 

@@ -43,6 +43,7 @@ class ProducerState:
             "pushed": gate.pushed,
             "useful": gate.useful,
             "dropped": gate.dropped,
+            "dropped_zero_variance": gate.zero_variance,  # of dropped; never charged as debt
             "debt": gate.debt,
             "probes": probes,
             "used_memory_mb": round(mem.used / MiB, 1) if mem else "",

@@ -10,6 +10,7 @@ import sys
 import threading
 import urllib.request
 
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -83,7 +84,14 @@ def test_scrape_of_a_run_matches_status(redis_url, subprocess_env, tmp_path, lea
         Producer(p.r, RUN).from_env(make_env("counter"), 12, 4, seed=1)
         Producer(p.r, RUN).from_jsonl(bad, "counter", 4)  # one row dead-lettered
         p.wait_groups(13)
-        feed(p.r, p.keys, groups)  # after the scripted groups (no tokens: dropped)
+        solved = msgspec.structs.replace(
+            groups[0],
+            samples=[
+                msgspec.structs.replace(x, score=msgspec.structs.replace(x.score, reward=1.0))
+                for x in groups[0].samples
+            ],
+        )  # every sample at the copy task's max_reward: a solved group
+        feed(p.r, p.keys, [*groups, solved])  # after the scripted groups (no tokens: dropped)
         lcfg = LearnerConfig(
             model=str(model), output_dir=str(tmp_path / "out"), torch_threads=1,
             batch_groups=2, checkpoint_every=1, block_ms=100, lr=1e-3,
@@ -153,6 +161,12 @@ def test_scrape_of_a_run_matches_status(redis_url, subprocess_env, tmp_path, lea
         got = one(m, "streamrl_groups_dropped_total", run=RUN, reason=reason)
         assert got == ln[f"dropped_{reason}"]
     assert one(m, "streamrl_groups_dropped_total", run=RUN, reason="no_tokens") == 12
+    # zero-variance groups told apart: solved or no signal, and their rates over the window
+    assert one(m, "streamrl_learner_groups_solved_total", run=RUN) == ln["groups_solved"] == 1
+    assert one(m, "streamrl_learner_groups_no_signal_total", run=RUN) == ln["groups_no_signal"]
+    assert one(m, "streamrl_learner_solved_rate", run=RUN) == ln["solved_rate"] == 0.2
+    assert one(m, "streamrl_learner_no_signal_rate", run=RUN) == ln["no_signal_rate"]
+    assert one(m, "streamrl_learner_no_signal", run=RUN) == 0
     assert 0 <= one(m, "streamrl_learner_last_checkpoint_age_seconds", run=RUN) < 300
     # dead letters by stage and reason class
     dead = m["streamrl_dead_letters_total"]

@@ -1,5 +1,6 @@
-"""Admission control that cannot be fooled: stale and zero-variance drops settle only as fast as
-training pays for them, Redis memory has a budget, and a healthy run never deadlocks.
+"""Admission control that cannot be fooled: fault drops (stale, no tokens, invalid, failed)
+settle only as fast as training pays for them, zero-variance drops (a solved task) never close
+the gate, Redis memory has a budget, and a healthy run never deadlocks.
 
 The learner is simulated by writing its progress hash the way ``streamrl.learner.loop``
 reports it (``samples_consumed``, ``groups_applied``, ``waiting_groups``, ``dropped_*``,
@@ -132,7 +133,8 @@ def test_drops_hold_the_producer_after_one_window_plus_the_allowance(r, run_name
     assert st["state"] == "waiting" and "drop budget exhausted" in st["message"]
     assert adm.gate().debt == limit
     wait_for(lambda: told, "on_wait to be told", WAIT_S, every=0.01)
-    assert told[-1].reason == DROP_BUDGET and "stale, zero-variance" in told[-1].message
+    assert told[-1].reason == DROP_BUDGET and "dropped for a fault (stale" in told[-1].message
+    assert "zero-variance" not in told[-1].message
 
     # The cause is fixed (groups are trainable again). Nothing is left in the pipeline that
     # could pay the debt, so a probe push goes through; its groups are applied, pay the debt,
@@ -179,7 +181,7 @@ def test_a_restarted_learner_is_not_charged_twice(r, run_name):
     Producer(r, run_name).from_env(make_env("counter"), 6, G)  # 24 samples
     adm = LearnerAdmission(r, run_name, G)
     r.hset(keys.learner, mapping={"max_in_flight": 16, "samples_consumed": 24})
-    r.hset(keys.learner, mapping={"groups_consumed": 6, "dropped_zero_variance": 6})
+    r.hset(keys.learner, mapping={"groups_consumed": 6, "dropped_stale": 6})
     assert adm.gate().debt == 8
     # restart: back to the checkpoint (2 groups), then the replay reaches 6 groups again
     r.hset(keys.learner, mapping={"samples_consumed": 8, "groups_consumed": 2})
@@ -187,6 +189,54 @@ def test_a_restarted_learner_is_not_charged_twice(r, run_name):
     assert gate.debt == 8 and gate.pipeline == 16  # the replayed entries count as in flight
     r.hset(keys.learner, mapping={"samples_consumed": 24, "groups_consumed": 6})
     assert adm.gate().debt == 8
+
+
+def test_zero_variance_drops_never_exhaust_the_drop_budget(r, run_name):
+    """The copy run at step ~560: the task is solved and ~90 % of groups are zero-variance
+    (here all of them). They leave the pipeline, so the producer refills the window, and are
+    never charged: it pushes everything without a probe and never waits on its drop budget,
+    where the same run with stale groups waits after two windows (the test above)."""
+    limit, prompts = 16, 50
+    adm = LearnerAdmission(r, run_name, G, limit=limit, drop_probe_s=0)
+    learner = FakeLearner(r, run_name, limit)
+    t, done = start_producer(r, run_name, adm, prompts=prompts)
+
+    def finished() -> bool:
+        learner.consume(lambda i: "zero_variance")
+        gate = adm.gate()
+        assert gate.debt == 0 and gate.faults == 0 and gate.zero_variance == gate.dropped
+        return not t.is_alive()
+
+    wait_for(finished, "the producer to push everything", WAIT_S, every=0.01)
+    learner.consume(lambda i: "zero_variance")
+    assert "error" not in done and done["result"].prompts == prompts
+    assert pushed(r, run_name) == prompts * G > 2 * limit
+    assert adm.probes == 0 and DROP_BUDGET not in adm.waits
+    assert learner.c["groups_applied"] == 0 and learner.c["dropped_zero_variance"] == prompts
+    assert adm.balance == limit  # nothing charged, nothing credited
+    adm.finish()
+    st = state(r, run_name)
+    assert int(st["dropped_zero_variance"]) == int(st["dropped"]) == prompts * G
+    assert int(st["debt"]) == 0
+
+
+def test_stale_drops_still_exhaust_the_budget_among_zero_variance_ones(r, run_name):
+    """Zero-variance groups do not hide a fault: with every other group stale and nothing
+    applied, the stale ones alone run the balance into debt."""
+    keys = Keys(run_name)
+    Producer(r, run_name).from_env(make_env("counter"), 16, G)  # 64 samples
+    r.hset(keys.learner, mapping={"max_in_flight": 16, "samples_consumed": 64})
+    r.hset(
+        keys.learner,
+        mapping={"groups_consumed": 16, "dropped_stale": 8, "dropped_zero_variance": 8},
+    )
+    adm = LearnerAdmission(r, run_name, G)
+    gate = adm.gate()
+    assert (gate.dropped, gate.zero_variance, gate.faults) == (64, 32, 32)
+    assert gate.debt == 32 - 16  # 32 stale samples against a balance of one window
+    hold = adm.hold(8, gate, None, time.time())
+    assert hold is not None and hold.reason == DROP_BUDGET
+    assert "32 samples dropped for a fault" in hold.message
 
 
 def test_a_restarted_producer_keeps_the_debt(r, run_name):
@@ -306,6 +356,12 @@ def test_no_learner_and_full_window_say_so(r, run_name):
     FakeLearner(r, run_name, limit)
     hold = adm.hold(limit, adm.gate(), None, 0.0)
     assert hold.reason == WINDOW_FULL and "waiting for the learner" in hold.message
+    assert "stopped" not in hold.message
+    # a learner that stopped itself (stop_when_solved): the wait says why
+    verdict = "solved: 96% of the last 200 groups were solved by every sample at step 612"
+    r.hset(Keys(run_name).learner, mapping={"status": "solved", "verdict": verdict})
+    hold = adm.hold(limit, adm.gate(), None, 0.0)
+    assert hold.reason == WINDOW_FULL and hold.message.endswith(f"the learner stopped: {verdict}")
 
 
 def test_admission_table_in_run_config(tmp_path):
