@@ -4,12 +4,12 @@ verifier, the learner process; policy versions flow back to the rollout workers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from streamrl.config import load_toml
 from streamrl.learner.config import load_learner_config
 from streamrl.local.demo import DEMO_CONFIG, DemoOptions, learner_toml, train_demo
 from streamrl.local.procs import descendants, stop_all
+from tests.support.waiting import wait_for
 
 
 # prefork on: the learner and rollout workers forked from one process that imported torch
@@ -82,10 +83,12 @@ def test_sigterm_stops_the_demo_and_everything_it_started(subprocess_env):
             header = proc.stderr.readline()
             assert header or proc.poll() is None, "the demo exited before starting"
         learner_log = Path(header.rsplit("logs ", 1)[1].strip()) / "learner.log"
-        deadline = time.monotonic() + 90
-        while '"event": "step"' not in (learner_log.read_text() if learner_log.exists() else ""):
-            assert time.monotonic() < deadline, "no learner step within 90 s"
-            time.sleep(0.5)
+        wait_for(
+            lambda: learner_log.exists() and '"event": "step"' in learner_log.read_text(),
+            "a learner step",
+            timeout=90,
+            every=0.5,
+        )
         started = descendants(proc.pid)
         assert len(started) >= 6  # redis, verifier, fork server, learner, 2 rollout workers
         proc.send_signal(signal.SIGTERM)
@@ -96,9 +99,8 @@ def test_sigterm_stops_the_demo_and_everything_it_started(subprocess_env):
     assert proc.returncode == 0
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["learner_steps"] >= 1
-    deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    with contextlib.suppress(AssertionError):  # `assert not left` below says who stayed
+        wait_for(lambda: not any(_alive(p) for p in started), "its processes", 10, every=0.2)
     left = [pid for pid in started if _alive(pid)]
     for pid in left:  # orphans of a failed run: ours, by PID
         os.kill(pid, signal.SIGKILL)
