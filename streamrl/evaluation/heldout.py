@@ -261,7 +261,7 @@ def _load_policy(
     policy = HFPolicy(config, env)
     if version is not None:
         try:
-            policy._load(version)  # what a rollout worker does when the learner announces it
+            policy.load(version)  # what a rollout worker does when the learner announces it
         except Exception as e:
             raise WeightsError(f"{spec.weights!r}: {type(e).__name__}: {e}") from None
     return policy

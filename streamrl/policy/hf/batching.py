@@ -149,7 +149,7 @@ class HFPolicy(Policy):
                 await self._runner
         await self._watch.close()
 
-    def _load(self, pv: PolicyVersion) -> None:
+    def load(self, pv: PolicyVersion) -> None:
         """Serve ``pv`` now, as a rollout worker does when the learner announces it (held-out
         evaluation calls this for a given checkpoint; no batch may be running)."""
         self._weights.load(pv)
