@@ -28,6 +28,7 @@ from streamrl.models.tiny import SYMBOLS
 from streamrl.policy.base import Policy, PolicyRequest
 from streamrl.policy.hf import HFPolicy
 from streamrl.schema import SCHEMA_VERSION, Group, ModelTurn, Sample, Score, Task
+from streamrl.schema import encode as schema_encode
 from streamrl.workers.episode import new_session, run_episode
 
 _VOCAB = ["<pad>", "<bos>", "<eos>", "<unk>", "<user>", "<assistant>", "copy", ":", *SYMBOLS,
@@ -230,3 +231,55 @@ def test_weights_version_is_known_only_right_after_a_publish():
     assert weights_version(0, 0, 1) == 0
     assert weights_version(6, 3, 2) == 3
     assert weights_version(7, 3, 2) is None
+
+
+def test_the_learner_reports_the_mismatch_in_its_hash_status_and_metrics(
+    episodes, tool_model, redis_url, tmp_path
+):
+    """The whole learner on the hf episodes: step 0 trains on rows version 0 sampled, with
+    the weights version 0 published, so it measures; the hash, ``streamrl status`` and the
+    exporter carry it. With ``sync_every = 2`` step 1's weights are no published version:
+    it measures nothing, and the hash keeps step 0's figure, named as such."""
+    import io
+    import threading
+
+    import redis
+    from rich.console import Console
+
+    from streamrl.bus.keys import Keys
+    from streamrl.bus.streams import ensure_groups
+    from streamrl.learner.loop import run_learner
+    from streamrl.ops.metrics import _Collector
+    from streamrl.ops.status import collect
+    from streamrl.ops.views import status_table
+
+    groups, _, _ = episodes
+    r, keys = redis.Redis.from_url(redis_url), Keys("mm")
+    ensure_groups(r, keys)
+    for g in [*groups, groups[0]]:  # 4 groups: two steps of two, all sampled by version 0
+        r.xadd(keys.groups, {"id": g.prompt_id, "p": schema_encode(g)})
+    cfg = LearnerConfig(
+        model=str(tool_model), output_dir=str(tmp_path / "out"), torch_threads=1,
+        batch_groups=2, sync_every=2, checkpoint_every=2, max_staleness=1, lr=1e-3,
+        block_ms=100,
+    )  # fmt: skip
+    box: dict = {}
+    t = threading.Thread(
+        target=lambda: box.update(state=run_learner(redis_url, "mm", cfg, exit_when_idle=0.5))
+    )
+    t.start()
+    t.join(120)
+    assert box["state"].step == 2
+
+    h = {k.decode(): v.decode() for k, v in r.hgetall(keys.learner).items()}
+    assert int(h["mismatch_step"]) == 1  # the state's step after step 0, the measured one
+    assert float(h["mismatch_abs"]) < 1e-5 and int(h["mismatch_tokens"]) > 0
+    info = collect(r, "mm")
+    assert info["learner"]["mismatch_abs"] == pytest.approx(float(h["mismatch_abs"]))
+    out = io.StringIO()
+    Console(file=out, width=200).print(status_table(info))
+    assert "train/infer mismatch" in out.getvalue()
+    metrics = {f.name: f for f in _Collector(r, lambda: ["mm"]).collect()}
+    for name in ("mismatch_abs", "mismatch_kl", "mismatch_tokens"):
+        family = metrics[f"streamrl_learner_{name}"]
+        assert family.samples[0].value == pytest.approx(float(h[name])), name
