@@ -283,3 +283,33 @@ def test_the_learner_reports_the_mismatch_in_its_hash_status_and_metrics(
     for name in ("mismatch_abs", "mismatch_kl", "mismatch_tokens"):
         family = metrics[f"streamrl_learner_{name}"]
         assert family.samples[0].value == pytest.approx(float(h[name])), name
+
+
+def test_only_rows_of_the_current_version_are_measured(episodes, tool_model):
+    """A batch mixing versions: the rows an older version sampled count as drift, and are
+    left out token for token."""
+    import msgspec
+    from transformers import AutoModelForCausalLM
+
+    groups, _, policy = episodes
+    older = [
+        msgspec.structs.replace(
+            s,
+            trajectory=msgspec.structs.replace(
+                s.trajectory,
+                turns=[msgspec.structs.replace(t, policy_version=1) for t in s.trajectory.turns],
+            ),
+        )
+        for s in groups[0].samples
+    ]
+    mixed = [msgspec.structs.replace(groups[0], samples=older), *groups[1:]]
+    model = AutoModelForCausalLM.from_pretrained(tool_model, dtype=torch.float32).eval()
+    cfg = LearnerConfig(model=str(tool_model))
+    pad = policy.tokenizer.pad_token_id
+    batch = make_batch(mixed, pad, "group", weights_version=2)
+    assert batch.on_policy is not None and not bool(batch.on_policy.any())
+    batch = make_batch(mixed, pad, "group", weights_version=0)
+    with torch.no_grad():
+        measured = batch_loss(model, batch, cfg, backward=False).mismatch
+    current = make_batch(groups[1:], pad, "group")
+    assert measured.tokens == current.num_tokens < batch.num_tokens
