@@ -64,6 +64,8 @@ class Batch:
     num_groups: int
     num_samples: int
     prompt_lens: list[int] | None = None  # each sequence's prompt length (rows share prompts)
+    # (B,) bool: rows sampled by exactly the learner's current weights (see learner.mismatch)
+    on_policy: Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -79,14 +81,22 @@ class Batch:
         return [slice(i, i + size) for i in range(0, self.num_sequences, size)]
 
 
-def make_batch(groups: list[Group], pad_token_id: int, scale_rewards: ScaleRewards) -> Batch:
-    """Lay out ``groups`` as one batch with group-relative advantages (see module doc)."""
+def make_batch(
+    groups: list[Group],
+    pad_token_id: int,
+    scale_rewards: ScaleRewards,
+    weights_version: int | None = None,
+) -> Batch:
+    """Lay out ``groups`` as one batch with group-relative advantages (see module doc).
+    ``weights_version``: the policy version the learner's weights are (None: none), which
+    marks the rows whose turn that version sampled (``Batch.on_policy``)."""
     k_max = max(len(g.samples) for g in groups)
     rows = [[float(s.score.reward) for s in g.samples] for g in groups]
     rewards = torch.tensor([r + [math.nan] * (k_max - len(r)) for r in rows], dtype=torch.float64)
     adv = group_advantages(rewards.float(), scale_rewards).tolist()
 
     seqs: list[tuple[list[int], int, list[float], float]] = []
+    versions: list[int] = []
     for i, g in enumerate(groups):
         for k, s in enumerate(g.samples):
             for turn in s.trajectory.turns:
@@ -97,6 +107,7 @@ def make_batch(groups: list[Group], pad_token_id: int, scale_rewards: ScaleRewar
                     lps = [math.nan] * len(turn.token_ids)  # unknown: no correction
                 ids = list(turn.prompt_token_ids) + list(turn.token_ids)
                 seqs.append((ids, len(turn.prompt_token_ids), lps, adv[i][k]))
+                versions.append(turn.policy_version)
     if not seqs:
         raise ValueError("no sequence in the batch has generated tokens")
 
@@ -126,4 +137,7 @@ def make_batch(groups: list[Group], pad_token_id: int, scale_rewards: ScaleRewar
         num_groups=len(groups),
         num_samples=sum(len(g.samples) for g in groups),
         prompt_lens=[p for _, p, *_ in seqs],
+        on_policy=None
+        if weights_version is None
+        else torch.tensor([v == weights_version for v in versions]),
     )

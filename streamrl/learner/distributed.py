@@ -49,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 from streamrl import schema
 from streamrl.learner.batch import Batch, make_batch
 from streamrl.learner.config import LearnerConfig
+from streamrl.learner.mismatch import Mismatch
 from streamrl.learner.train import BatchLoss, StepStats, add_chunk, apply_update, chunk_loss
 
 
@@ -58,6 +59,7 @@ class _StepPayload(msgspec.Struct, array_like=True):
 
     entropy_coef: float
     groups: list[schema.Group]
+    weights_version: int | None = None  # marks the on-policy rows (learner.mismatch)
 
 
 _STEP = msgspec.msgpack.Decoder(_StepPayload)
@@ -203,13 +205,14 @@ def _ddp_train_step(
             mine.entropy += part.entropy
             add_chunk(mine, part)
     m = mine
+    mm = m.mismatch
     sums = dp.sum([m.loss, m.entropy, m.is_tokens, m.is_clipped, m.is_weight_sum,
-                   m.clipped_low, m.clipped_high])  # fmt: skip
+                   m.clipped_low, m.clipped_high, mm.tokens, mm.abs_sum, mm.k3_sum])  # fmt: skip
     lo = dp.sum([m.is_weight_min], dist.ReduceOp.MIN)[0]
     hi = dp.sum([m.is_weight_max], dist.ReduceOp.MAX)[0]
     measured = BatchLoss(
         sums[0], sums[1] / max(1, batch.num_tokens), int(sums[2]), int(sums[3]), sums[4],
-        lo, hi, int(sums[5]), int(sums[6]),
+        lo, hi, int(sums[5]), int(sums[6]), Mismatch(int(sums[7]), sums[8], sums[9]),
     )  # fmt: skip
     return apply_update(optimizer, batch, cfg, step, measured, started)
 
@@ -227,9 +230,11 @@ class Trainer:
         cfg: LearnerConfig,
         step: int,
         ref_model: nn.Module | None,
+        weights_version: int | None = None,
     ) -> StepStats:
-        self.dp.send(_Command.STEP, step, _ENCODER.encode(_StepPayload(cfg.entropy_coef, groups)))
-        batch = make_batch(groups, self.pad, cfg.scale_rewards)
+        sent = _StepPayload(cfg.entropy_coef, groups, weights_version)
+        self.dp.send(_Command.STEP, step, _ENCODER.encode(sent))
+        batch = make_batch(groups, self.pad, cfg.scale_rewards, weights_version)
         return _ddp_train_step(self.ddp, optimizer, batch, cfg, step, self.dp, ref_model)
 
     def heartbeat(self) -> None:
@@ -257,7 +262,9 @@ def follow(
         if command == _Command.STEP:
             sent = _STEP.decode(payload)
             step_cfg = msgspec.structs.replace(cfg, entropy_coef=sent.entropy_coef)
-            batch = make_batch(sent.groups, pad_token_id, step_cfg.scale_rewards)
+            batch = make_batch(
+                sent.groups, pad_token_id, step_cfg.scale_rewards, sent.weights_version
+            )
             _ddp_train_step(ddp, optimizer, batch, step_cfg, step, dp, ref_model)
             steps += 1
 

@@ -55,6 +55,7 @@ from streamrl.learner.checkpoint import Counters, LearnerState, save_checkpoint
 from streamrl.learner.config import LearnerConfig
 from streamrl.learner.distributed import DataParallel, Trainer, follow
 from streamrl.learner.losses import adapt_entropy_coef
+from streamrl.learner.mismatch import StepLog, weights_version
 from streamrl.learner.outcomes import NO_SIGNAL, SOLVED, Outcomes
 from streamrl.learner.reader import GroupsReader, Ref, resolve_shards
 from streamrl.learner.report import Reporters, make_reporters, step_scalars
@@ -202,7 +203,7 @@ class _Learner:
     state: LearnerState
     window: _Window = field(default_factory=_Window)
     unacked: list[Ref] = field(default_factory=list)
-    last: StepStats | None = None
+    steps: StepLog = field(default_factory=StepLog)  # the last step's figures, for report()
     group_size: int = 0  # from the run config; sets the admission limit the producer obeys
     trainer: Trainer | None = None  # data parallel: rank 0 sends each step to every rank
     rank_pids: list[int] = field(default_factory=list)
@@ -302,9 +303,10 @@ class _Learner:
     def _train_batch(self, groups: list[schema.Group], coef: float) -> StepStats:
         step_cfg = msgspec.structs.replace(self.cfg, entropy_coef=coef)  # this step's coefficient
         step, ref = self.state.step, self.ref_model
+        version = weights_version(step, self.state.policy_version, self.cfg.sync_every)
         if self.trainer is not None:
-            return self.trainer.step(groups, self.optimizer, step_cfg, step, ref)
-        batch = make_batch(groups, self.tokenizer.pad_token_id, self.cfg.scale_rewards)
+            return self.trainer.step(groups, self.optimizer, step_cfg, step, ref, version)
+        batch = make_batch(groups, self.tokenizer.pad_token_id, self.cfg.scale_rewards, version)
         return train_step(self.model, self.optimizer, batch, step_cfg, step, ref)
 
     def _commit(self, w: _Window, stats: StepStats) -> None:
@@ -326,7 +328,7 @@ class _Learner:
         st.loss = stats.loss
         self.unacked.extend(w.ids)
         self.window = _Window()
-        self.last = stats
+        self.steps.record(st.step, stats)
 
     def _log_step(self, w: _Window, stats: StepStats, coef: float) -> None:
         """The step's scalars to the reporters; one console line every ``logging_steps``."""
@@ -344,7 +346,7 @@ class _Learner:
                 entropy=round(stats.entropy, 4), entropy_coef=round(coef, 6),
                 grad_norm=round(stats.grad_norm, 4), lr=stats.lr, tokens=stats.tokens,
                 groups_consumed=consumed, dropped={k: v for k, v in drops.items() if v},
-                solved_rate=solved, no_signal_rate=no_signal,
+                solved_rate=solved, no_signal_rate=no_signal, **stats.mismatch.means(),
             )  # fmt: skip
         self.reporters.log(st.step, scalars)
 
@@ -385,9 +387,7 @@ class _Learner:
             "updated_at": time.time(),
             **self.outcomes.fields(),  # solved and no-signal rates over the last groups
         }
-        if self.last is not None:
-            fields.update(lr=self.last.lr, grad_norm=self.last.grad_norm)
-            fields["entropy"] = round(self.last.entropy, 4)
+        fields.update(self.steps.fields())  # lr, grad norm, entropy, training mismatch
         fields["entropy_coef"] = round(self.entropy_coef(), 6)
         if self.rank_pids:
             fields["ranks"] = len(self.rank_pids)

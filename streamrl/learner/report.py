@@ -76,6 +76,8 @@ def step_scalars(stats: Any, staleness: Mapping[str, int], since_last_s: float) 
         "train/step_seconds": stats.seconds,
         # wall time between two steps: the pipeline's pace, waiting for groups included
         "train/seconds_since_last_step": since_last_s,
+        # sampler vs learner on the rows the current weights sampled; absent when none was
+        **{f"train/{k}": v for k, v in stats.mismatch.means().items()},
     }
 
 

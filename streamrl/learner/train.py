@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from streamrl.learner.batch import Batch
 from streamrl.learner.config import LearnerConfig
 from streamrl.learner.losses import policy_loss, token_entropy, token_logps
+from streamrl.learner.mismatch import Mismatch, measure
 
 
 def sequence_logps(
@@ -78,6 +79,8 @@ class StepStats:
     clip_low: float = 0.0  # fraction of completion tokens with ratio < 1-ε_low and A < 0
     clip_high: float = 0.0  # fraction with ratio > 1+ε_high and A > 0 (TRL's clip_ratio/*)
     seconds: float = 0.0  # wall time of the step (forward, backward, update)
+    # sampler vs learner log-probs on the rows the current weights sampled (learner.mismatch)
+    mismatch: Mismatch = field(default_factory=Mismatch)
 
 
 @dataclass
@@ -91,6 +94,7 @@ class BatchLoss:
     is_weight_max: float = -math.inf
     clipped_low: int = 0  # tokens where the PPO clip bound the ratio from below (A < 0)
     clipped_high: int = 0  # ... from above (A > 0), as TRL's clip_ratio/low_mean, high_mean
+    mismatch: Mismatch = field(default_factory=Mismatch)
 
 
 @dataclass
@@ -104,6 +108,7 @@ class ChunkLoss:
     is_weight_max: float = -math.inf
     clipped_low: int = 0
     clipped_high: int = 0
+    mismatch: Mismatch = field(default_factory=Mismatch)
 
 
 def chunk_loss(
@@ -131,6 +136,8 @@ def chunk_loss(
         with torch.no_grad():
             entropy = token_entropy(logits.detach(), mask, cfg.temperature).sum()
     old = logps.detach()
+    on_policy = batch.on_policy[rows] if batch.on_policy is not None else None
+    mismatch = measure(old, behaviour, mask, on_policy)
     known = mask.bool() & ~torch.isnan(behaviour)
     ratio = torch.exp(old - torch.nan_to_num(behaviour))[known]
     lo, hi = loss_cfg.importance_sampling_min, loss_cfg.importance_sampling_max
@@ -173,6 +180,7 @@ def chunk_loss(
         float(ratio.max()) if ratio.numel() else -math.inf,
         clipped_low,
         clipped_high,
+        mismatch,
     )
 
 
@@ -221,6 +229,7 @@ def add_chunk(out: BatchLoss, part: ChunkLoss) -> None:
     out.is_weight_max = max(out.is_weight_max, part.is_weight_max)
     out.clipped_low += part.clipped_low
     out.clipped_high += part.clipped_high
+    out.mismatch.add(part.mismatch)
 
 
 def lr_at(step: int, cfg: LearnerConfig) -> float:
@@ -308,4 +317,5 @@ def apply_update(
         clip_low=m.clipped_low / n,
         clip_high=m.clipped_high / n,
         seconds=time.perf_counter() - started,
+        mismatch=m.mismatch,
     )

@@ -105,6 +105,23 @@ class Families:
         self.learner_lr = g(
             "streamrl_learner_learning_rate", "Learning rate of the last step.", labels=run
         )
+        # training-inference mismatch (streamrl.learner.mismatch): the last step that had
+        # rows sampled by the learner's own weights; absent until one had
+        self.learner_mismatch_abs = g(
+            "streamrl_learner_mismatch_abs",
+            "Mean |log p_learner - log p_sampler| over on-policy tokens (last measured step).",
+            labels=run,
+        )
+        self.learner_mismatch_kl = g(
+            "streamrl_learner_mismatch_kl",
+            "k3 estimate of KL(sampler || learner) over on-policy tokens (last measured step).",
+            labels=run,
+        )
+        self.learner_mismatch_tokens = g(
+            "streamrl_learner_mismatch_tokens",
+            "Tokens the last measured training-inference mismatch was taken over.",
+            labels=run,
+        )
         self.learner_waiting = g(
             "streamrl_learner_waiting_groups", "Accepted groups waiting for a batch.", labels=run
         )

@@ -171,6 +171,9 @@ class _Collector(Collector):
             (f.learner_max_in_flight, "max_in_flight"),
             (f.learner_solved_rate, "solved_rate"),
             (f.learner_no_signal_rate, "no_signal_rate"),
+            (f.learner_mismatch_abs, "mismatch_abs"),
+            (f.learner_mismatch_kl, "mismatch_kl"),
+            (f.learner_mismatch_tokens, "mismatch_tokens"),
         )
         for family, key in gauges:
             if num.get(key) is not None:

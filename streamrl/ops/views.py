@@ -65,6 +65,12 @@ def status_table(info: dict[str, Any]) -> Table:
             "learner dropped",
             ", ".join(drops) or "none",
         )
+        if ln.get("mismatch_tokens"):  # sampler vs learner log-probs (learner.mismatch)
+            mismatch = (
+                f"|Δlogp| {float(ln['mismatch_abs']):.2e}, KL {float(ln['mismatch_kl']):.2e} "
+                f"over {ln['mismatch_tokens']} tokens at step {ln.get('mismatch_step')}"
+            )
+            foot.add_row("train/infer mismatch", mismatch, "", "")
         if ln.get("outcome_window"):  # zero-variance groups: solved, or no signal
             window = f" of the last {ln['outcome_window']} groups"
             solved = f"{100 * float(ln.get('solved_rate') or 0):.0f}%{window}"
