@@ -28,11 +28,13 @@ _CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer():
+def build_tokenizer(words: list[str] | None = None, chat_template: str | None = None):
+    """A word-level tokenizer over ``words`` (default: the copy task's vocabulary, specials
+    first) with ``chat_template`` (default: the copy task's)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(_VOCAB)}
+    vocab = {tok: i for i, tok in enumerate(words or _VOCAB)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(
@@ -43,7 +45,7 @@ def build_tokenizer():
         pad_token="<pad>",
         padding_side="left",
     )
-    tok.chat_template = _CHAT_TEMPLATE
+    tok.chat_template = chat_template or _CHAT_TEMPLATE
     return tok
 
 

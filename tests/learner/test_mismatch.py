@@ -24,7 +24,7 @@ from streamrl.learner.batch import make_batch
 from streamrl.learner.config import LearnerConfig
 from streamrl.learner.mismatch import measure, weights_version
 from streamrl.learner.train import batch_loss
-from streamrl.models.tiny import SYMBOLS
+from streamrl.models.tiny import SYMBOLS, build_tokenizer
 from streamrl.policy.base import Policy, PolicyRequest
 from streamrl.policy.hf import HFPolicy
 from streamrl.schema import SCHEMA_VERSION, Group, ModelTurn, Sample, Score, Task
@@ -51,20 +51,9 @@ GROUPS, GROUP_SIZE = 3, 4
 
 @pytest.fixture(scope="module")
 def tool_model(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(_VOCAB)}, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        bos_token="<bos>",
-        eos_token="<eos>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-        padding_side="left",
-    )
-    tok.chat_template = _TEMPLATE
+    tok = build_tokenizer(_VOCAB, _TEMPLATE)
     config = LlamaConfig(vocab_size=len(_VOCAB), hidden_size=64, intermediate_size=256,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                          max_position_embeddings=256, tie_word_embeddings=False,
