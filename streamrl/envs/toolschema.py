@@ -25,6 +25,15 @@ if TYPE_CHECKING:
 # the order in which one value's own problems are reported (before its properties' or items')
 _OWN = ("type", "enum", "minimum", "maximum", "required", "additionalProperties")
 _KEYWORDS = ("type", "enum", "minimum", "maximum", "required", "properties", "items")
+_JSON_TYPES = frozenset({"array", "boolean", "integer", "null", "number", "object", "string"})
+
+
+def _known_types(schema: dict) -> bool:
+    """A ``type`` naming something JSON Schema does not have leaves that value unchecked (only
+    that value: its siblings are still checked)."""
+    names = schema.get("type")
+    names = names if isinstance(names, list) else [names]
+    return all(n in _JSON_TYPES for n in names if n is not None)
 
 
 @functools.cache
@@ -40,10 +49,15 @@ def _reporting_class() -> Any:
                 validator, allowed, instance, schema
             )
 
+    def known_type(validator: Any, types: Any, instance: Any, schema: dict) -> Iterator[Any]:
+        if _known_types(schema):
+            yield from Draft202012Validator.VALIDATORS["type"](validator, types, instance, schema)
+
     return validators.create(
         meta_schema=Draft202012Validator.META_SCHEMA,
         validators={
             **{k: Draft202012Validator.VALIDATORS[k] for k in _KEYWORDS},
+            "type": known_type,
             "additionalProperties": no_extras,
         },
         type_checker=Draft4Validator.TYPE_CHECKER,
@@ -85,6 +99,8 @@ def _enforced(schema: Any) -> Any:
     ):
         raise ValueError("only the slow path reads this schema")  # e.g. tuple-form items
     out = {k: schema[k] for k in ("type", "enum", "minimum", "maximum", "required") if k in schema}
+    if not _known_types(schema):
+        del out["type"]
     if out.get("required") == []:  # draft 4 wants one name at least; none asks for nothing
         del out["required"]
     if isinstance(schema.get("properties"), dict):
@@ -145,13 +161,8 @@ def validate_arguments(schema: dict[str, Any], args: Any) -> str | None:
         return None if isinstance(args, dict) else "arguments must be a JSON object"
     if (fast := _compiled(schema)[1]) is not None and fast.is_valid(args):
         return None
-    from jsonschema.exceptions import UnknownType
-
     validator, _ = _validators(schema)
-    try:
-        errors = list(validator.iter_errors(args))
-    except UnknownType:  # a type JSON Schema does not have: the schema is not checked
-        return None
+    errors = list(validator.iter_errors(args))
     if not errors:
         return None
     return _message(min(errors, key=lambda e: _walk_order(validator.schema, e)))

@@ -3,7 +3,7 @@
 The harness runs in the sandbox next to ``solution.py``: it loads the solution, calls the
 function on each hidden test's arguments and reports only the **outputs** (as JSON), one line
 per test tagged with a per-run random nonce. Whether a test passed is decided here, outside
-the sandbox, by comparing _canonical JSON with the expected value, which never enters the
+the sandbox, by comparing canonical JSON with the expected value, which never enters the
 sandbox. So printing "PASS", exiting early with code 0, or rewriting the harness's reporting
 cannot earn credit: the only way to report a right output is to compute it. The nonce just
 keeps the solution's own prints from being parsed as results by accident.

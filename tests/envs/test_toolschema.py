@@ -54,12 +54,16 @@ def test_each_mistake_gets_one_line(args, problem):
     assert validate_arguments(SCHEMA, args) == problem
 
 
-def test_a_type_json_schema_does_not_have_leaves_the_arguments_unchecked():
-    assert validate_arguments({"properties": {"n": {"type": "decimal"}}}, {"n": "x"}) is None
+def test_a_type_json_schema_does_not_have_leaves_only_that_value_unchecked():
+    schema = {"properties": {"n": {"type": "decimal"}, "m": {"type": "integer"}}}
+    assert validate_arguments(schema, {"n": "x", "m": 1}) is None
+    assert validate_arguments(schema, {"n": "x", "m": "y"}) == "m must be integer, got str"
+    assert _validators(schema)[1] is not None  # the compiled path reads it too
 
 
 def _schema(rng: random.Random, depth: int = 0) -> dict:
-    kind = rng.choice(["integer", "number", "string", "boolean", "array", "object", None])
+    kinds = ["integer", "number", "string", "boolean", "array", "object", "decimal", None]
+    kind = rng.choice(kinds)  # "decimal": a type JSON Schema does not have
     s: dict = {} if kind is None else {"type": kind}
     if kind in ("integer", "number") and rng.random() < 0.5:
         s["minimum" if rng.random() < 0.5 else "maximum"] = rng.choice([0, 1, 2.5])
