@@ -208,13 +208,10 @@ def row_to_prompt(line: str | bytes) -> tuple[list[Item], dict[str, Any], str]:
         if isinstance(item, dict) and "type" not in item and "role" in item:
             item = {"type": "message", **item}
         if isinstance(item, dict) and isinstance(item.get("content"), list):
-            # Responses content parts -> plain text
-            parts = item["content"]
-            if not all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in parts):
-                raise ValueError(
-                    f"input item {i}: content parts must be objects with a string `text`"
-                )
-            item = {**item, "content": "".join(p.get("text", "") for p in parts)}
+            try:  # Responses content parts -> plain text
+                item = {**item, "content": _text(item["content"])}
+            except ValueError as e:
+                raise ValueError(f"input item {i}: {e}") from None
         try:
             items.append(msgspec.convert(item, Item))
         except msgspec.ValidationError as e:

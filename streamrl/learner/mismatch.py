@@ -62,7 +62,8 @@ def measure(logps: Tensor, behaviour: Tensor, mask: Tensor, on_policy: Tensor | 
     if not delta.numel():
         return Mismatch()
     k3 = torch.expm1(delta) - delta
-    return Mismatch(int(delta.numel()), float(delta.abs().sum()), float(k3.sum()))
+    abs_sum, k3_sum = torch.stack([delta.abs().sum(), k3.sum()]).tolist()  # one device sync
+    return Mismatch(int(delta.numel()), abs_sum, k3_sum)
 
 
 def weights_version(step: int, policy_version: int, sync_every: int) -> int | None:

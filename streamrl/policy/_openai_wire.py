@@ -49,6 +49,11 @@ class ChatWire:
     tool_choice: Any = "none"
     extra_body: dict[str, Any] = field(default_factory=dict)
     lora_prefix: str = "policy"
+    _lora_answer: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        pattern = re.compile(rf"{re.escape(self.lora_prefix)}-v(\d+)")
+        object.__setattr__(self, "_lora_answer", pattern)  # frozen: set once, here
 
     def body(self, request: PolicyRequest, model: str) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -117,7 +122,7 @@ class ChatWire:
         return f"{self.lora_prefix}-v{version}"
 
     def _answered_by(self, data: dict[str, Any], headers: Any, sent_version: int) -> int:
-        m = re.fullmatch(rf"{re.escape(self.lora_prefix)}-v(\d+)", str(data.get("model", "")))
+        m = self._lora_answer.fullmatch(str(data.get("model", "")))
         if m:
             return int(m.group(1))
         header = headers.get(_VERSION_HEADER) if headers is not None else None
