@@ -131,14 +131,15 @@ class Scripts:
         self.trim = client.register_script(scripts.TRIM)
 
 
-def xrange_all(r: redis.Redis, stream: str) -> Iterator[tuple[bytes, dict]]:
-    """Every entry of a stream, oldest first, read in pages (reports and replays)."""
-    last = "-"
+def xrange_all(
+    r: redis.Redis, stream: str, start: str = "-", end: str = "+", page: int = 5000
+) -> Iterator[tuple[bytes, dict]]:
+    """Every entry of a stream from ``start`` to ``end`` (IDs, inclusive), oldest first, read in
+    pages (reports and replays)."""
+    low = start
     while True:
-        rows = r.xrange(stream, min=last, count=5000)
-        if last != "-":
-            rows = rows[1:]
+        rows = r.xrange(stream, min=low, max=end, count=page)
         if not rows:
             return
         yield from rows
-        last = rows[-1][0].decode()
+        low = "(" + as_str(rows[-1][0])  # after the last one read

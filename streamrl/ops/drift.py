@@ -35,10 +35,8 @@ def drift_report(
     env_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     def stored() -> _Pairs:
-        rows_of = (row for k in run_shards(r, run) for row in xrange_all(r, k.groups))
-        for eid, fields in rows_of:
-            if start != "-" and eid.decode() < start:
-                continue
+        rows_of = (row for k in run_shards(r, run) for row in xrange_all(r, k.groups, start))
+        for _eid, fields in rows_of:
             group = schema.GROUP.decode(fields[b"p"])
             for sample in group.samples:
                 yield sample.trajectory, sample.score

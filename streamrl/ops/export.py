@@ -39,6 +39,7 @@ import redis
 
 from streamrl import schema
 from streamrl.bus.keys import Keys
+from streamrl.bus.streams import xrange_all
 from streamrl.defaults import NEMO_GYM_REFERENCE_FIELD
 from streamrl.responses import input_json, response_json
 from streamrl.schema import FunctionCall, FunctionCallOutput, Item, Message, Reasoning
@@ -77,17 +78,8 @@ class ExportResult:
 
 
 def _groups(r: redis.Redis, run: str, start: str = "-", end: str = "+") -> Iterator[schema.Group]:
-    stream = Keys(run).groups
-    first = True
-    while True:
-        rows = r.xrange(stream, min=start, max=end, count=1000)
-        if not first:
-            rows = rows[1:]
-        if not rows:
-            return
-        for _, fields in rows:
-            yield schema.GROUP.decode(fields[b"p"])
-        start, first = rows[-1][0].decode(), False
+    for _, fields in xrange_all(r, Keys(run).groups, start, end, page=1000):
+        yield schema.GROUP.decode(fields[b"p"])
 
 
 # ---------------------------------------------------------------- chat messages

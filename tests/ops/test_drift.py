@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from streamrl.bus.keys import Keys
 from streamrl.config import PolicyConfig, RunConfig
 from streamrl.envs import make_env
 from streamrl.local.pipeline import LocalPipeline
@@ -16,10 +17,17 @@ def test_drift_report_sees_a_changed_verifier(redis_url, subprocess_env, tmp_pat
         Producer(p.r, "drift").from_env(make_env("counter"), 10, 2)
         p.wait_groups(10)
         same = drift_report(p.r, "drift")
+        from_five = drift_report(p.r, "drift", start="5")
+        newest = p.r.xrevrange(Keys("drift").groups, count=1)[0][0].decode()
+        from_newest = drift_report(p.r, "drift", start=newest)
         # the same trajectories under a stricter verifier: tests.support.envs:StrictCounter
         strict = drift_report_with(p.r)
     (row,) = same["drift"]
     assert row["samples"] == 20 and row["changed"] == 0 and row["failed"] == 0
+    # --from is an entry ID, compared as one: "5" (ms 5) is before every group, and the newest
+    # group's own ID keeps just that group (compared as text, "5" sorted after them all)
+    assert from_five["drift"][0]["samples"] == 20
+    assert from_newest["drift"][0]["samples"] == 2
     assert row["from_version"] == row["to_version"] == "counter/1"
     (row,) = strict["drift"]
     assert row["to_version"] == "counter-strict/2" and row["from_version"] == "counter/1"
