@@ -148,7 +148,7 @@ class LearnerAdmission:
         return self._memory_budget.redis_memory_mb
 
     @redis_memory_mb.setter
-    def redis_memory_mb(self, value: float) -> None:
+    def redis_memory_mb(self, value: float) -> None:  # a test lifts the budget mid-run
         self._memory_budget.redis_memory_mb = value
 
     # ------------------------------------------------------------------ readings
@@ -256,7 +256,7 @@ def admission_batch(learner: dict[str, Any], group_size: int) -> int | None:
 
 def admission_limit(learner: dict[str, Any], group_size: int) -> int | None:
     """``(max_staleness + 1) x batch samples`` from a run config's ``[learner]`` table."""
-    if not learner:
+    batch = admission_batch(learner, group_size)
+    if batch is None:
         return None
-    batch = int(learner.get("batch_groups", 8)) * group_size
     return (int(learner.get("max_staleness", d.MAX_STALENESS)) + 1) * batch
