@@ -24,13 +24,14 @@ from streamrl.learner.losses import ScaleRewards, group_advantages
 from streamrl.schema import Group
 
 
-def _rewards_of(group: Group) -> list[float]:
+def rewards_of(group: Group) -> list[float]:
+    """The scored samples' rewards (a failed sample has none)."""
     return [float(s.score.reward) for s in group.samples if s.score.reward is not None]
 
 
 def is_zero_variance(group: Group, tol: float = 1e-9) -> bool:
     """All rewards equal (or fewer than two): every advantage would be 0, nothing to learn."""
-    rewards = _rewards_of(group)
+    rewards = rewards_of(group)
     return len(rewards) < 2 or max(rewards) - min(rewards) <= tol
 
 

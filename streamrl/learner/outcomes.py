@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from streamrl.envs.registry import env_class
+from streamrl.learner.batch import rewards_of
 from streamrl.learner.checkpoint import Counters
 from streamrl.schema import Group
 
@@ -69,7 +70,7 @@ class Outcomes:
 
     def see(self, group: Group, zero_variance: bool) -> str:
         """Note one valid group with tokens; its kind (SOLVED, NO_SIGNAL or SIGNAL)."""
-        rewards = [float(s.score.reward) for s in group.samples if s.score.reward is not None]
+        rewards = rewards_of(group)
         if rewards:
             self._best = max(rewards) if self._best is None else max(self._best, *rewards)
         kind = SIGNAL
