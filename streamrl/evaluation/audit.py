@@ -29,9 +29,9 @@ from typing import Any
 
 import msgspec
 
-from streamrl.envs.base import Verdict
+from streamrl.envs.base import Verdict, last_assistant_text
 from streamrl.envs.registry import make_env
-from streamrl.evaluation.cheats import break_tool_calls, cheat_texts, final_text, swap_messages
+from streamrl.evaluation.cheats import break_tool_calls, cheat_texts, swap_messages
 from streamrl.evaluation.play import DEFAULT_MAX_TURNS, Agent, make_task, play, verify
 from streamrl.schema import TRAJECTORY, FunctionCall, Task, Trajectory, encode
 
@@ -196,7 +196,9 @@ class _Audit:
         env, check, w = self.env, self.checks["cheats"], wrong[1].reward
         cheats: dict[str, Agent] = {
             f"text:{name}": swap_messages(env.wrong, text)
-            for name, text in cheat_texts(task, final_text(ref[0]), final_text(wrong[0])).items()
+            for name, text in cheat_texts(
+                task, last_assistant_text(ref[0].items), last_assistant_text(wrong[0].items)
+            ).items()
         }
         if any(isinstance(i, FunctionCall) for i in ref[0].items):
             for how in ("types", "string"):

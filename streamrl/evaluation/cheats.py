@@ -10,16 +10,9 @@ import msgspec
 
 from streamrl.envs.base import Environment
 from streamrl.evaluation.play import Agent
-from streamrl.schema import FunctionCall, Item, Message, Task, Trajectory
+from streamrl.schema import FunctionCall, Item, Message, Task
 
 _LONG_CHARS = 100_000
-
-
-def final_text(trajectory: Trajectory) -> str:
-    for item in reversed(trajectory.items):
-        if isinstance(item, Message) and item.role == "assistant":
-            return item.content
-    return ""
 
 
 def cheat_texts(task: Task, reference: str, wrong: str) -> dict[str, str]:
