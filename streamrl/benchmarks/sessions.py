@@ -22,7 +22,6 @@ Figures (one JSON object):
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import threading
@@ -30,7 +29,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import psutil
 import redis
 
 from streamrl.config import (
@@ -42,17 +40,8 @@ from streamrl.config import (
 )
 from streamrl.envs import make_env
 from streamrl.local.pipeline import LocalPipeline, task_ids
-from streamrl.local.procs import descendants, self_cpu, tree_cpu
+from streamrl.local.procs import self_cpu, tree_cpu, tree_rss
 from streamrl.producer.produce import Producer
-
-
-def _rss_bytes(pids: list[int]) -> int:
-    """Resident memory of these processes (those still alive)."""
-    total = 0
-    for pid in pids:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            total += psutil.Process(pid).memory_info().rss
-    return total
 
 
 def _count_keys(r: redis.Redis, pattern: str) -> int:
@@ -81,11 +70,10 @@ class _Sampler(threading.Thread):
         while not self.stop.is_set():
             n = _count_keys(self.r, self.pattern)
             if n >= self.peak["open"]:  # the latest of the fullest moments: the longest sessions
-                pids = self.roots + [c for p in self.roots for c in descendants(p)]
                 self.peak = {
                     "open": n,
                     "used_memory": self.r.info("memory")["used_memory"],
-                    "rss": _rss_bytes(pids),
+                    "rss": tree_rss(self.roots),
                     "keys": list(itertools.islice(self.r.scan_iter(match=self.pattern), 200)),
                 }
                 self.peak["key_bytes"] = [
@@ -134,7 +122,7 @@ def sessions_bench(
         assert p.procs is not None and p.url is not None
         roots = [proc.pid for _, proc in p.procs.procs[:rollout_workers]]
         time.sleep(1.0)  # the lease settles into its read loop
-        rss_idle = _rss_bytes(roots + [c for pid in roots for c in descendants(pid)])
+        rss_idle = tree_rss(roots)
         pattern = p.keys.session("*")
         assert p.server is not None and p.server.proc is not None
         every = [p.server.proc.pid] + [proc.pid for _, proc in p.procs.procs]

@@ -163,6 +163,15 @@ def tree_cpu(roots: list[int]) -> float:
     return sum(_cpu(p, children=True) for p in _family(roots))
 
 
+def tree_rss(roots: list[int]) -> int:
+    """Resident bytes of ``roots`` and all their living descendants."""
+    total = 0
+    for p in _family(roots):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += p.memory_info().rss
+    return total
+
+
 def own_cpu(pid: int) -> float:
     """CPU seconds ``pid`` itself used (not its children's)."""
     try:

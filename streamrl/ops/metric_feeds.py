@@ -78,7 +78,7 @@ class _Tail:
         """Entries after the cursor, at most ``limit``. A stream that was deleted and made
         again (its newest ID behind the cursor) is read again from its start."""
         newest = r.xrevrange(stream, count=1)
-        if newest and id_order(as_str(newest[0][0])) < id_order(self.last):
+        if newest and id_order(newest[0][0]) < id_order(self.last):
             self.last = "0-0"
         out: list[tuple[str, dict]] = []
         while len(out) < limit:
