@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 
 import torch
@@ -86,3 +87,18 @@ def feed(r, keys, groups: list[Group]) -> list[str]:
     return [
         r.xadd(keys.groups, {"id": g.prompt_id, "p": schema.encode(g)}).decode() for g in groups
     ]
+
+
+def run_learner_thread(url: str, run: str, cfg, **kw):
+    """``run_learner`` on a thread (it installs signal handlers only on the main thread); its
+    final state."""
+    from streamrl.learner.loop import run_learner
+
+    box: dict = {}
+    t = threading.Thread(
+        target=lambda: box.update(state=run_learner(url, run, cfg, **kw)), daemon=True
+    )
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "the learner did not stop within 120 s"
+    return box["state"]

@@ -3,12 +3,10 @@ published versions (full and LoRA), checkpoints, and stopping at ``total_steps``
 
 from __future__ import annotations
 
-import threading
-
 import msgspec
 import pytest
 import torch
-from groupdata import feed, make_groups
+from groupdata import feed, make_groups, run_learner_thread
 from safetensors.torch import load_file
 
 from streamrl import schema
@@ -16,23 +14,8 @@ from streamrl.bus.keys import Keys
 from streamrl.bus.streams import ensure_groups
 from streamrl.learner.checkpoint import latest_checkpoint
 from streamrl.learner.config import LearnerConfig, load_learner_config
-from streamrl.learner.loop import run_learner
 
-
-@pytest.fixture(autouse=True)
-def _threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
-def _run(url, run, cfg, **kw):
-    """On a thread: run_learner installs signal handlers only on the main thread."""
-    box: dict = {}
-    t = threading.Thread(target=lambda: box.update(state=run_learner(url, run, cfg, **kw)))
-    t.start()
-    t.join(120)
-    return box["state"]
+_run = run_learner_thread
 
 
 def _cfg(tiny_dir, tmp_path, **kw) -> LearnerConfig:

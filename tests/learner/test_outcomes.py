@@ -4,13 +4,10 @@ publish, one line) and says in one line when the groups have had no signal for l
 
 from __future__ import annotations
 
-import threading
-
 import msgspec
 import pytest
 import structlog
-import torch
-from groupdata import feed, make_groups
+from groupdata import feed, make_groups, run_learner_thread
 
 from streamrl import schema
 from streamrl.bus.keys import Keys
@@ -18,31 +15,17 @@ from streamrl.bus.streams import ensure_groups
 from streamrl.defaults import LEARNER_GROUP
 from streamrl.learner.checkpoint import latest_checkpoint, read_state
 from streamrl.learner.config import LearnerConfig
-from streamrl.learner.loop import run_learner
 from streamrl.ops.status import collect
 from streamrl.ops.views import status_table
 from streamrl.schema import Group
 
 
-@pytest.fixture(autouse=True)
-def _threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 def _run(url, run, cfg, **kw):
     """On a thread (run_learner installs signal handlers only on the main thread), with the
     learner's log lines captured."""
-    box: dict = {}
     with structlog.testing.capture_logs() as logs:
-        t = threading.Thread(
-            target=lambda: box.update(state=run_learner(url, run, cfg, **kw)), daemon=True
-        )
-        t.start()
-        t.join(120)
-    assert not t.is_alive()
-    return box["state"], logs
+        state = run_learner_thread(url, run, cfg, **kw)
+    return state, logs
 
 
 def _cfg(tiny_dir, tmp_path, **kw) -> LearnerConfig:

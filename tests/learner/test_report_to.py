@@ -7,7 +7,6 @@ import threading
 
 import msgspec
 import pytest
-import torch
 from groupdata import feed, make_groups
 
 from streamrl.bus.keys import Keys
@@ -24,13 +23,6 @@ CURVES = (
     "train/importance_weight/mean", "train/importance_weight/max",
     "train/importance_weight/clipped_fraction", "train/staleness/mean", "train/tokens_per_second",
 )  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
 
 
 def _train(redis_url, r, tiny_dir, tmp_path, run: str, report_to) -> tuple:
