@@ -81,7 +81,14 @@ async def run_episode(
             status = "truncated"
             break
         t0 = time.perf_counter()
-        request = PolicyRequest(task=task, items=session.items, tools=tools, state=state, turn=turn)
+        request = PolicyRequest(
+            task=task,
+            items=session.items,
+            tools=tools,
+            state=state,
+            turn=turn,
+            previous=session.turns[-1] if session.turns else None,
+        )
         try:
             model_turn = await policy.respond(request)
         except PolicyError:
@@ -102,6 +109,9 @@ async def run_episode(
                 result = await env.acall_tool(task, state, call)
                 state = result.state
                 session.items.append(FunctionCallOutput(call_id=call.call_id, output=result.output))
+                if result.done:  # the environment ends the episode (an answer was submitted)
+                    done = True
+                    break
             session.tool_seconds += time.perf_counter() - t1
         else:
             text = _final_text(model_turn.items) or ""
