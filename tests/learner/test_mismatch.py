@@ -174,25 +174,24 @@ def test_each_tool_output_reaches_the_next_turns_prompt_as_rendered(episodes):
 
 
 def test_the_learner_trains_on_exactly_the_sampled_tokens_of_every_turn(episodes):
-    """Every model turn is one learner row: prompt (template, earlier turns, tool outputs)
-    and completion token for token what the sampler had and drew, and the loss falls on
-    exactly the drawn tokens, each with the log-prob the sampler recorded for it."""
+    """Each episode is one learner row, its last turn's prompt and completion token for token
+    what the sampler had and drew (earlier turns, tool outputs and template inside it), and
+    the loss falls on exactly the tokens the sampler drew in every turn, each with the
+    log-prob the sampler recorded for it: never on a tool output or a template token."""
     groups, recorder, policy = episodes
     batch = make_batch(groups, policy.tokenizer.pad_token_id, "group", weights_version=0)
-    expected = [
-        recorder.turns[(s.trajectory.task_id, t.index)]
-        for g in groups
-        for s in g.samples
-        for t in s.trajectory.turns
-        if t.token_ids
-    ]
     rows = _rows(batch)
-    assert len(rows) == len(expected)
-    for row, (prompt, tokens, logprobs), i in zip(rows, expected, range(len(rows)), strict=True):
+    samples = [s for g in groups for s in g.samples]
+    assert len(rows) == len(samples)  # one row per episode, however many turns
+    for i, (row, s) in enumerate(zip(rows, samples, strict=True)):
+        turns = [recorder.turns[(s.trajectory.task_id, t.index)] for t in s.trajectory.turns]
+        prompt, tokens, _ = turns[-1]
         assert row == prompt + tokens, f"row {i} is not what the sampler produced"
         on = batch.mask[i].bool()
-        assert batch.targets[i][on].tolist() == tokens
-        assert batch.behaviour_logps[i][on].tolist() == pytest.approx(logprobs, abs=0)
+        assert batch.targets[i][on].tolist() == [tok for _, toks, _ in turns for tok in toks]
+        drawn = [lp for _, _, lps in turns for lp in lps]
+        assert batch.behaviour_logps[i][on].tolist() == pytest.approx(drawn, abs=0)
+    assert sum(len(s.trajectory.turns) for s in samples) > len(samples)  # chains were merged
 
 
 def test_the_mismatch_on_policy_is_float_noise(episodes, tool_model):

@@ -127,7 +127,10 @@ class Decoder:
         width = ids.size(1)
         p_ids, p_mask = distinct[:, :width], distinct[:, width:]
         positions = (p_mask.cumsum(-1) - 1).clamp_(min=0)  # left padding, as generate has it
-        out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=positions, use_cache=True)
+        # logits of the last position only: all of them would be rows x width x vocab floats
+        # (8.5 GB for 128 rows of 340 tokens over SmolLM2's 49,152-token vocabulary)
+        out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=positions,
+                    use_cache=True, logits_to_keep=1)  # fmt: skip
         cache = out.past_key_values
         if not hasattr(cache, "reorder_cache"):
             return False
