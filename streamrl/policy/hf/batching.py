@@ -270,7 +270,8 @@ class HFPolicy(Policy):
         sampler = Sampler(u, self.config.temperature)
         with torch.inference_mode():
             ids, mask = input_ids.to(self.device), attention.to(self.device)
-            self._decoder.sample(self.model, ids, mask, sampler, steps, loop=self.decode == "loop")
+            loop, heads = self.decode == "loop", _shared_heads(batch)
+            self._decoder.sample(self.model, ids, mask, sampler, steps, loop=loop, heads=heads)
         seconds = time.perf_counter() - started
         turns = []
         for i, p in enumerate(batch):
@@ -291,6 +292,23 @@ class HFPolicy(Policy):
                 )
             )
         return turns
+
+
+def _shared_heads(batch: list[_Pending]) -> list[list[int]]:
+    """Each row's leading tokens shared with the other rows of its prompt (a group's later
+    turns share the first prompt and differ after it), at least one token short of the row
+    so that every row has a tail; a row alone keeps all but its last token as its head."""
+    by_prompt: dict[str, list[list[int]]] = {}
+    for p in batch:
+        by_prompt.setdefault(p.request.task.prompt_id, []).append(p.prompt_ids)
+    common: dict[str, int] = {}
+    for prompt_id, rows in by_prompt.items():
+        n = min(len(r) for r in rows) - 1
+        first = rows[0]
+        for r in rows[1:]:
+            n = next((j for j in range(n) if r[j] != first[j]), n)
+        common[prompt_id] = n
+    return [p.prompt_ids[: max(common[p.request.task.prompt_id], 1)] for p in batch]
 
 
 def _after_model(item: Any) -> bool:
