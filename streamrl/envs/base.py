@@ -171,20 +171,28 @@ class Environment(Generic[S]):
     def decode_state(self, blob: bytes) -> S:
         return self._state_decoder.decode(blob)
 
-    def call_tool(self, state: S, call: FunctionCall) -> StepResult:
-        """A model's tool call, checked: unknown tools, unparsable JSON and arguments that do
-        not match the schema come back to the model as an error output, never an exception."""
+    def malformed(self, call: FunctionCall) -> str | None:
+        """What is wrong with a call before any tool runs (an unknown tool, arguments that are
+        not JSON or do not match the tool's schema), or None: the error the model is shown,
+        and what evaluation counts as a malformed call."""
         tool = self._tools_by_name.get(call.name)
         if tool is None:
             known = ", ".join(sorted(self._tools_by_name)) or "none"
-            return StepResult(f"error: unknown tool {call.name!r} (tools: {known})", state)
+            return f"unknown tool {call.name!r} (tools: {known})"
         try:
             args = json.loads(call.arguments) if call.arguments.strip() else {}
         except json.JSONDecodeError as e:
-            return StepResult(f"error: arguments are not valid JSON: {e}", state)
+            return f"arguments are not valid JSON: {e}"
         problem = validate_arguments(tool.parameters, args)
+        return f"invalid arguments for {call.name}: {problem}" if problem else None
+
+    def call_tool(self, state: S, call: FunctionCall) -> StepResult:
+        """A model's tool call, checked: unknown tools, unparsable JSON and arguments that do
+        not match the schema come back to the model as an error output, never an exception."""
+        problem = self.malformed(call)
         if problem:
-            return StepResult(f"error: invalid arguments for {call.name}: {problem}", state)
+            return StepResult(f"error: {problem}", state)
+        args = json.loads(call.arguments) if call.arguments.strip() else {}
         try:
             return self.step(state, call.name, args)
         except ToolError as e:

@@ -231,6 +231,26 @@ async def _run(
     return results
 
 
+def _episode_stats(env: Environment, trajectories: list[schema.Trajectory]) -> dict[str, float]:
+    """How the episodes went, beyond their reward: turns, the model's tool calls (never the
+    prompt's few-shot examples), and the share of those calls the environment refused before
+    running them."""
+    calls = [
+        item
+        for t in trajectories
+        for item in t.items[t.n_input :]
+        if isinstance(item, schema.FunctionCall)
+    ]
+    n = max(len(trajectories), 1)
+    return {
+        "turns_per_episode": round(sum(len(t.turns) for t in trajectories) / n, 3),
+        "tool_calls_per_episode": round(len(calls) / n, 3),
+        "malformed_call_rate": round(
+            sum(env.malformed(c) is not None for c in calls) / max(len(calls), 1), 4
+        ),
+    }
+
+
 def _samples(heldout: HeldOut, k: int) -> list[schema.Task]:
     """``k`` sample tasks of each held-out prompt, one group per prompt."""
     return [
@@ -315,6 +335,7 @@ def evaluate(
         max_turns=rollout.max_turns,
         pass_reward=threshold,
         truncated=sum(t.status == "truncated" for t, _ in scored),
+        **_episode_stats(env, [t for t, _ in scored]),
         ci_method=CI_METHOD,
         train_prompts=heldout.train_prompts,
         candidates=heldout.candidates,

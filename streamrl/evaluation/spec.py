@@ -59,6 +59,9 @@ class EvalReport(msgspec.Struct, kw_only=True):
     pass_at_k_ci: dict[int, tuple[float, float]]
     ci_method: str
     truncated: int  # episodes stopped by max_turns or the token budget
+    turns_per_episode: float = 0.0  # model turns, mean over samples
+    tool_calls_per_episode: float = 0.0  # the model's tool calls, mean over samples
+    malformed_call_rate: float = 0.0  # of those calls, unknown tool or bad arguments
     train_prompts: int  # held out from training prompts 0 .. train_prompts-1 (by content)
     candidates: int  # held-out candidates generated to find `prompts` unseen ones
     excluded_seen: int
