@@ -118,6 +118,13 @@ class Environment(Generic[S]):
     def generate(self, rng: random.Random, index: int) -> Prompt:
         raise NotImplementedError(f"environment {self.name!r} has no task generator")
 
+    def same_prompt_key(self, prompt: Prompt) -> Any:
+        """What makes two generated prompts the same prompt when held-out prompts are kept
+        apart from training ones: the conversation the model is shown. Override when the
+        model must discover part of the task through tools (``lookup``'s codes), so that two
+        prompts with the same words are still different tasks."""
+        return prompt.input
+
     # -- episode
     def reset(self, task: Task) -> S:
         raise NotImplementedError

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import random
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -198,6 +198,10 @@ class LookupEnv(Environment[LookupState]):
         return Prompt([*_example(), user(_question(target))],
                       {"target": target, "directory": directory})  # fmt: skip
 
+    def same_prompt_key(self, prompt: Prompt) -> Any:
+        """A question names one of 48 people; the code the lookup answers with is the task."""
+        return (prompt.input, prompt.data["directory"])
+
     def reset(self, task: Task) -> LookupState:
         return LookupState(directory={k: int(v) for k, v in task.data["directory"].items()})
 
@@ -221,7 +225,11 @@ class LookupEnv(Environment[LookupState]):
         return Verdict(
             reward=1.0 if looked and right else 0.0,
             components={"lookup": float(looked), "submit": float(right)},
-            details={"expected": code, "submitted": state.submitted, "looked_up": state.looked_up},
+            details={
+                "expected": str(code),
+                "submitted": str(state.submitted),
+                "looked_up": ", ".join(state.looked_up),
+            },
         )
 
     def reference(self, task: Task, items: list[Item], state: LookupState) -> Item:

@@ -80,3 +80,14 @@ def test_held_out_prompts_name_people_no_training_prompt_names():
     # the worked example at the top of every prompt names someone in neither split
     example = make_env("lookup").generate(random.Random(0), 0).input[0].content
     assert not any(n in example for n in TRAIN_NAMES + HELDOUT_NAMES)
+
+
+def test_held_out_prompts_are_tasks_not_just_questions():
+    """48 names, but the code is the task: more held-out prompts than names exist, while the
+    kayles rule (same words, same prompt) still holds for environments that do not say so."""
+    from streamrl.evaluation.heldout import heldout_prompts
+
+    held = heldout_prompts(make_env("lookup", split="heldout"), 120, seed=0, train_prompts=300)
+    assert len(held.tasks) == 120 and len({t.data["target"] for t in held.tasks}) <= 48
+    codes = {(t.data["target"], t.data["directory"][t.data["target"]]) for t in held.tasks}
+    assert len(codes) == 120
