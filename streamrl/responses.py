@@ -132,8 +132,10 @@ def response_json(
     model: str,
     tools: list[Any] | None = None,
     prefix: str = "",
+    parallel_tool_calls: bool = True,
 ) -> dict[str, Any]:
-    """A complete OpenAI ``Response`` object (the fields its pydantic type requires)."""
+    """A complete OpenAI ``Response`` object (the fields its pydantic type requires);
+    ``parallel_tool_calls`` echoes the request's setting, as OpenAI's does (default true)."""
     return {
         "id": response_id,
         "object": "response",
@@ -141,7 +143,7 @@ def response_json(
         "model": model,
         "status": "completed",
         "output": _output_json(output, prefix),
-        "parallel_tool_calls": True,
+        "parallel_tool_calls": parallel_tool_calls,
         "tool_choice": "auto",
         "tools": list(tools or []),
     }
