@@ -13,7 +13,9 @@ scripted agent is right, so every sample must score 1.0; the figures say where t
   trajectory's calls;
 - ``sessions_leaked``: server sessions never verified nor closed (``..._with_calls``: holding
   applied calls);
-- ``scored``, ``scored_0``, ``dropped`` (dead letters), ``drained``.
+- ``scored``, ``scored_0``, ``dropped`` (dead letters), ``drained``;
+- from the journals: ``samples_replayed_into_a_fresh_session``, ``lost_opens`` (seeds whose
+  answer died with a worker: the sessions they made, if any, cannot be found).
 
 Only the trajectory's decoded state is read (``seed_response.session_id``, and the journal
 when there is one), as a plain msgpack map, so the figures can be taken of any version.
@@ -122,7 +124,7 @@ def _calls(traj: schema.Trajectory) -> list[str]:
 
 def _figures(samples, dead, server, fault_dir, completed, dropped, drained, prompts, seed):
     verified: set[str] = set()
-    twice = not_as_recorded = scored_0 = replayed = 0
+    twice = not_as_recorded = scored_0 = replayed = lost = 0
     for s in samples:
         state = msgspec.msgpack.decode(s.trajectory.state)
         sid = (state.get("seed_response") or {}).get("session_id")
@@ -135,7 +137,9 @@ def _figures(samples, dead, server, fault_dir, completed, dropped, drained, prom
         twice += max(0, len(record["calls"]) - len(expected))
         not_as_recorded += record["calls"] != expected or record["verifies"] != 1
         scored_0 += s.score.reward == 0.0
-        replayed += (state.get("journal") or {}).get("attempt", 0) > 0
+        journal = state.get("journal") or {}
+        replayed += journal.get("attempt", 0) > 0
+        lost += journal.get("lost", 0)
     leaked = [r for sid, r in server.items() if sid not in verified and not r.get("closed")]
     kills = Counter(path.read_text().split()[0] for path in fault_dir.iterdir())
     return {
@@ -157,6 +161,7 @@ def _figures(samples, dead, server, fault_dir, completed, dropped, drained, prom
         "sessions_leaked": len(leaked),
         "sessions_leaked_with_calls": sum(1 for r in leaked if r["calls"]),
         "samples_replayed_into_a_fresh_session": replayed,
+        "lost_opens": lost,
     }
 
 
