@@ -12,14 +12,19 @@ the way NeMo Gym's own ``simple_agent`` does:
   first model turn; each tool call is ``POST /<name>`` with the call's JSON arguments, and the
   response body, as text, is the tool's output; ``/verify`` gets the row plus ``response``, an
   OpenAI ``Response`` whose ``output`` holds the whole episode after the input;
-- the cookie jar is part of the episode's state Struct, so it is checkpointed to Redis with the
-  session after every turn: a rollout worker that dies is replaced by another that resumes with
-  the same cookies, and the server sees one continuous session. (A tool call made after the
-  last checkpoint is made again on resume, as the turn that made it is run again.)
+- the cookie jar is part of the episode's state Struct, checkpointed to Redis with the session:
+  a rollout worker that dies is replaced by another that resumes with the same cookies. The
+  state's journal (``streamrl.envs.external``) checkpoints the seed before the first model turn
+  and each tool call before it is sent and after its answer, so a call is never sent twice in
+  one session: one whose answer died with a worker (or was lost to a read timeout) costs a
+  fresh session into which the confirmed calls are replayed, or, where a replay answers
+  differently (or ``replay`` is off), a dead letter. A session given up on is closed with NeMo
+  Gym 0.7's ``POST /close_session`` (a 0.4 server answers 404: it stays open, never verified).
 
 Failures. Connection errors, timeouts, 408/425/429/5xx and malformed answers (``/seed_session``
 or ``/verify`` not a JSON object, a missing or non-finite ``reward``) are retried ``retries``
-times with exponential backoff, then raise ``EnvUnavailable`` with the HTTP status and a
+times with exponential backoff (a tool call's timeout or broken connection after sending is
+not: see above), then raise ``EnvUnavailable`` with the HTTP status and a
 snippet of the body: the rollout worker dead-letters the task, the verifier worker retries and
 dead-letters the sample. Never a reward of 0. A 4xx answer to a tool call is the model's
 mistake (an unknown argument, a bad value): its body goes back to the model as the tool's
@@ -42,7 +47,8 @@ Options: ``base_url`` (required), ``timeout_s`` (30), ``connect_timeout_s`` (5),
 (3), ``backoff_s`` (0.2), ``backoff_max_s`` (5), ``max_connections`` (256), ``model`` (the
 model name written into the ``Response`` sent to ``/verify``), ``verifier_version`` (bump it when
 the server's scoring changes, so ``streamrl reverify`` reports the drift), ``rows`` (a NeMo
-Gym JSONL file that the generator cycles through, for ``produce --count`` and config runs).
+Gym JSONL file that the generator cycles through, for ``produce --count`` and config runs),
+``replay`` (true; false drops a sample whose call was not confirmed instead of replaying it).
 """
 
 from __future__ import annotations
