@@ -32,6 +32,9 @@ class Prompt(NamedTuple):
 class StepResult(NamedTuple):
     output: str
     state: Any
+    # The call ended the episode (an answer was submitted): no further model turn. Calls
+    # after it in the same model turn are not run.
+    done: bool = False
 
 
 class ReplyResult(NamedTuple):

@@ -23,6 +23,7 @@ BUILTIN: dict[str, str] = {
     "sudoku": "streamrl.envs.sudoku:SudokuEnv",
     "nim": "streamrl.envs.nim:NimEnv",
     "kayles": "streamrl.envs.kayles:KaylesEnv",
+    "lookup": "streamrl.envs.lookup:LookupEnv",
 }
 
 

@@ -13,14 +13,16 @@ training one (those are digits and ``:`` only). A separate derivation alone does
 *prompts* apart, though: a generator with a small prompt space (``copy`` has 16^3 = 4096
 prompts, ``kayles`` a few dozen) or one that reads the index (``math`` over a dataset takes row
 ``index % rows``) makes the same prompt under both. So a candidate is kept only if its input
-(the conversation the model sees, compared as msgpack bytes) differs from that of every training
-prompt ``0 .. T-1`` under *s* (``T = --train-prompts``, default 10,000) and from every held-out
-prompt already kept. Held-out prompt ids are ``<env>-heldout-s<s>-<j>``. The split is a pure
-function of (environment, options, *s*, *T*), and a smaller ``--prompts`` takes a prefix of a
-larger one. The guarantee covers training prompts ``0 .. T-1`` of seed *s*: for a run whose
-producer went further (``streamrl produce`` pushes prompts ``0 .. --count-1``; Redis key
-``srl:{run}:producer:env:<env>:seed=<s>`` holds its position), raise ``--train-prompts``. When
-the prompt space has fewer unseen prompts than asked for, the command says so and stops.
+and data (the conversation the model sees and what its environment holds, compared as msgpack
+bytes) differ from those of every training prompt ``0 .. T-1`` under *s* (``T =
+--train-prompts``, default 10,000) and from every held-out prompt already kept. Environments
+with entities (``lookup``'s names) also take a ``split`` option, so that held-out prompts name
+entities no training prompt names. Held-out prompt ids are ``<env>-heldout-s<s>-<j>``. The
+split is a pure function of (environment, options, *s*, *T*), and a smaller ``--prompts`` takes
+a prefix of a larger one. The guarantee covers training prompts ``0 .. T-1`` of seed *s*: for a
+run whose producer went further (``streamrl produce`` pushes prompts ``0 .. --count-1``; Redis
+key ``srl:{run}:producer:env:<env>:seed=<s>`` holds its position), raise ``--train-prompts``.
+When the prompt space has fewer unseen prompts than asked for, the command says so and stops.
 
 The numbers are in ``estimators``; what the command is asked and answers, in ``spec``.
 """
@@ -40,7 +42,7 @@ import msgspec
 
 from streamrl import schema
 from streamrl.config import PolicyConfig, RolloutConfig
-from streamrl.envs.base import Environment, Verdict
+from streamrl.envs.base import Environment, Prompt, Verdict
 from streamrl.envs.registry import make_env
 from streamrl.evaluation.estimators import CI_METHOD, summarize
 from streamrl.evaluation.spec import DEFAULT_TRAIN_PROMPTS, EvalReport, EvalSpec
@@ -65,9 +67,11 @@ def _heldout_seed(seed: int, index: int) -> str:
     return f"heldout:{seed}:{index}"
 
 
-def _prompt_key(prompt_input: list[schema.Item]) -> bytes:
-    """What makes two prompts the same prompt: the conversation the model is shown."""
-    return _INPUT_KEY.encode(prompt_input)
+def _prompt_key(prompt: Prompt) -> bytes:
+    """What makes two prompts the same prompt: the conversation the model is shown and the
+    data its environment holds (a ``lookup`` question names one of a few dozen people, but the
+    code its tool answers with, which the model must read, differs per task)."""
+    return _INPUT_KEY.encode((prompt.input, prompt.data))
 
 
 class HeldOut(msgspec.Struct, kw_only=True):
@@ -98,7 +102,7 @@ def heldout_prompts(
             prompt = env.generate(random.Random(training_seed(seed, i)), i)
         except Exception:
             continue  # the producer could not have pushed it either
-        seen.add(_prompt_key(prompt.input))
+        seen.add(_prompt_key(prompt))
     budget = max_candidates if max_candidates is not None else 20 * count + 10_000
     kept: set[bytes] = set()
     tasks: list[schema.Task] = []
@@ -111,7 +115,7 @@ def heldout_prompts(
             errors += 1
             j += 1
             continue
-        key = _prompt_key(prompt.input)
+        key = _prompt_key(prompt)
         if key in seen:
             excluded_seen += 1
         elif key in kept:

@@ -1,12 +1,16 @@
 """From groups to token tensors: which groups are trained on, and how a batch is laid out.
 
-Layout. Every model turn of every sample is one sequence: ``prompt_token_ids + token_ids``,
-right-padded. The loss falls on the turn's generated tokens only, each with the behaviour
-log-probability the sampler reported. A multi-turn trajectory thus gives one sequence per
-turn, all with the trajectory's advantage; a turn's prompt already holds the earlier turns
-and tool outputs, which carry no loss. With ``loss_type="dapo"`` (token mean over the batch)
-this is exactly the loss of one concatenated sequence with tool outputs masked; with
-``grpo`` each turn is averaged as a sequence of its own. Turns without tokens are skipped.
+Layout. Every model turn of every sample is a sequence ``prompt_token_ids + token_ids``,
+right-padded, with the trajectory's advantage. The loss falls on generated tokens only, each
+with the behaviour log-probability the sampler reported. When a later turn's prompt starts
+with the earlier turn's whole sequence (the ``hf`` backend continues from the sampled tokens)
+and the same policy version sampled both, the two are one row: the earlier turn's tokens,
+then the tool outputs and template tokens (no loss), then the later turn's tokens. A
+two-turn episode thus costs one forward over its last turn's sequence instead of two, which
+repeat the whole prompt. Turns that do not chain (an OpenAI server's re-rendered prompt, a
+policy update mid-episode) stay rows of their own. With ``loss_type="dapo"`` (token mean
+over the batch) the loss is the same either way; with ``grpo`` each row is averaged as one
+sequence. Turns without tokens are skipped.
 
 Tensors are shifted for next-token prediction: position t of ``targets``/``mask``/
 ``behaviour_logps`` is token t+1 of the sequence, predicted from the logits at position t.
@@ -82,6 +86,31 @@ class Batch:
         return [slice(i, i + size) for i in range(0, self.num_sequences, size)]
 
 
+_NOT_GENERATED = -math.inf  # in ``_Row.lps``: a prompt, tool-output or template token
+
+
+@dataclass
+class _Row:
+    """One sequence: a turn, or a chain of turns where each turn's prompt starts with the
+    previous turn's sequence (the hf backend's later turns do: see ``HFPolicy._continue``)."""
+
+    ids: list[int]
+    prompt_len: int  # the first turn's prompt
+    lps: list[float]  # per token: behaviour log-prob (NaN: unknown), or _NOT_GENERATED
+    advantage: float
+    version: int
+
+    def continued_by(self, prompt: list[int], version: int) -> bool:
+        n = len(self.ids)
+        return version == self.version and len(prompt) >= n and prompt[:n] == self.ids
+
+    def extend(self, prompt: list[int], tokens: list[int], lps: list[float]) -> None:
+        """Append what ``prompt`` adds to the row (none of it trained on), then the turn's
+        tokens with their behaviour log-probs."""
+        self.lps += [_NOT_GENERATED] * (len(prompt) - len(self.ids)) + lps
+        self.ids = prompt + tokens
+
+
 def make_batch(
     groups: list[Group],
     pad_token_id: int,
@@ -96,36 +125,36 @@ def make_batch(
     rewards = torch.tensor([r + [math.nan] * (k_max - len(r)) for r in rows], dtype=torch.float64)
     adv = group_advantages(rewards.float(), scale_rewards).tolist()
 
-    seqs: list[tuple[list[int], int, list[float], float]] = []
-    versions: list[int] = []
+    rows_: list[_Row] = []
     for i, g in enumerate(groups):
         for k, s in enumerate(g.samples):
+            row: _Row | None = None
             for turn in s.trajectory.turns:
                 if not turn.token_ids:
                     continue
                 lps = list(turn.logprobs)
                 if len(lps) != len(turn.token_ids):
                     lps = [math.nan] * len(turn.token_ids)  # unknown: no correction
-                ids = list(turn.prompt_token_ids) + list(turn.token_ids)
-                seqs.append((ids, len(turn.prompt_token_ids), lps, adv[i][k]))
-                versions.append(turn.policy_version)
-    if not seqs:
+                if row is None or not row.continued_by(turn.prompt_token_ids, turn.policy_version):
+                    row = _Row([], len(turn.prompt_token_ids), [], adv[i][k], turn.policy_version)
+                    rows_.append(row)
+                row.extend(list(turn.prompt_token_ids), list(turn.token_ids), lps)
+    if not rows_:
         raise ValueError("no sequence in the batch has generated tokens")
 
-    length = max(len(ids) for ids, *_ in seqs)
+    length = max(len(r.ids) for r in rows_)
     # rows laid out as Python lists, one tensor each at the end: a few small tensor writes
     # per row cost the learner ~10 % of its step on the tiny model
     input_ids, attention, mask, behaviour = [], [], [], []
-    for ids, p, lps, _ in seqs:
-        pad = length - len(ids)
-        input_ids.append(ids + [pad_token_id] * pad)
-        attention.append([1] * len(ids) + [0] * pad)
-        # generated token j sits at position p + j and is predicted at shifted position
-        # p + j - 1; without a prompt the first token has no context and carries no loss
-        start = max(p, 1)
-        generated = len(ids) - start
-        mask.append([0.0] * (start - 1) + [1.0] * generated + [0.0] * pad)
-        behaviour.append([math.nan] * (start - 1) + lps[start - p :] + [math.nan] * pad)
+    for r in rows_:
+        pad = length - len(r.ids)
+        input_ids.append(r.ids + [pad_token_id] * pad)
+        attention.append([1] * len(r.ids) + [0] * pad)
+        # token t + 1 is predicted at shifted position t; the first token has no context
+        mask.append([0.0 if math.isinf(lp) else 1.0 for lp in r.lps[1:]] + [0.0] * pad)
+        behaviour.append(
+            [math.nan if math.isinf(lp) else lp for lp in r.lps[1:]] + [math.nan] * pad
+        )
     ids_t = torch.tensor(input_ids, dtype=torch.long)
     return Batch(
         input_ids=ids_t,
@@ -133,12 +162,12 @@ def make_batch(
         targets=ids_t[:, 1:],
         mask=torch.tensor(mask),
         behaviour_logps=torch.tensor(behaviour),
-        advantages=torch.tensor([a for *_, a in seqs]),
+        advantages=torch.tensor([r.advantage for r in rows_]),
         rewards=[float(s.score.reward) for g in groups for s in g.samples],
         num_groups=len(groups),
         num_samples=sum(len(g.samples) for g in groups),
-        prompt_lens=[p for _, p, *_ in seqs],
+        prompt_lens=[r.prompt_len for r in rows_],
         on_policy=None
         if weights_version is None
-        else torch.tensor([v == weights_version for v in versions]),
+        else torch.tensor([r.version == weights_version for r in rows_]),
     )

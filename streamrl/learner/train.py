@@ -34,14 +34,14 @@ def shifted_logits(
     """Logits at positions 0..L-2, (B, L-1, V): position t predicts token t+1.
 
     With ``prompt_lens`` (each row's prompt length), rows that share a prompt run it once:
-    the samples of a group do. When every row's prompt has the same length P and some rows
-    share one, each distinct prompt is run once, its keys and values are handed to every row
-    that has it (an index_select, so gradients flow back through them), and only the rows'
-    completions run per row: a group of 8 ``copy`` samples costs 8 + 8 × 4 token positions
-    instead of 8 × 12. Positions inside the prompt predict prompt tokens, which carry no loss;
-    their logits are returned as 0. Otherwise: one plain forward."""
-    if prompt_lens is not None and len(set(prompt_lens)) == 1 and 1 <= prompt_lens[0] < ids.size(1):
-        length, width = prompt_lens[0], ids.size(1)
+    the samples of a group do. With P the shortest prompt length, when some rows share their
+    first P tokens, each distinct P-token head is run once, its keys and values are handed to
+    every row that has it (an index_select, so gradients flow back through them), and only
+    the rest of each row runs per row: a group of 8 ``copy`` samples costs 8 + 8 × 4 token
+    positions instead of 8 × 12. Positions inside the head predict prompt tokens, which carry
+    no loss; their logits are returned as 0. Otherwise: one plain forward."""
+    if prompt_lens and 1 <= min(prompt_lens) < ids.size(1):
+        length, width = min(prompt_lens), ids.size(1)
         prompts, row_prompt = torch.unique(ids[:, :length], dim=0, return_inverse=True)
         if prompts.size(0) < ids.size(0):
             head = model(input_ids=prompts, use_cache=True)

@@ -201,6 +201,8 @@ async def _replay(
             state = result.state
             if item.call_id in recorded and recorded[item.call_id] != result.output:
                 differ += 1
+            if result.done:  # as in the episode: nothing after the call that ended it ran
+                break
     traj = schema.Trajectory(
         task_id=task.task_id,
         prompt_id=task.prompt_id,

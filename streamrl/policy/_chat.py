@@ -30,13 +30,18 @@ _THINK = re.compile(r"^\s*<think>(.*?)</think>", re.DOTALL)
 _NAME = re.compile(r'"name"\s*:\s*"([^"]*)"')
 
 
-def to_messages(items: list[Item], *, arguments_as_dict: bool = False) -> list[dict[str, Any]]:
+def to_messages(
+    items: list[Item], *, arguments_as_dict: bool = False, inline_tool_calls: bool = False
+) -> list[dict[str, Any]]:
     """Chat-completions messages for a Responses item list.
 
     Consecutive assistant output (reasoning, text, function calls) is merged into one
     assistant message, the way the model produced it in one turn. ``arguments_as_dict``:
-    HF chat templates (Qwen, SmolLM, Llama 3) expect a dict and ``tojson`` it; the OpenAI
-    wire format wants the JSON string. Arguments that do not parse stay a string either way.
+    HF chat templates (Qwen, Llama 3) expect a dict and ``tojson`` it; the OpenAI wire format
+    wants the JSON string. Arguments that do not parse stay a string either way.
+    ``inline_tool_calls``: for a template that knows nothing of tools (SmolLM2's plain
+    ChatML), calls are written into the assistant's text in the Hermes form the model is
+    asked to answer in, so an earlier call (a few-shot example) is not silently dropped.
     """
     messages: list[dict[str, Any]] = []
     current: dict[str, Any] | None = None  # the assistant message being assembled
@@ -51,6 +56,9 @@ def to_messages(items: list[Item], *, arguments_as_dict: bool = False) -> list[d
     for item in items:
         if isinstance(item, Reasoning):
             assistant()["reasoning_content"] = item.content
+        elif isinstance(item, FunctionCall) and inline_tool_calls:
+            msg = assistant()
+            msg["content"] += hermes_call(item)
         elif isinstance(item, FunctionCall):
             args: Any = item.arguments
             if arguments_as_dict:
@@ -89,6 +97,41 @@ def to_tools(tools: list[FunctionTool]) -> list[dict[str, Any]]:
         }
         for t in tools
     ]
+
+
+def hermes_call(call: FunctionCall) -> str:
+    """A call as the model writes it: ``<tool_call>{"name": ..., "arguments": {...}}``."""
+    try:
+        args: Any = json.loads(call.arguments) if call.arguments.strip() else {}
+    except ValueError:
+        args = call.arguments
+    body = json.dumps({"name": call.name, "arguments": args}, ensure_ascii=False)
+    return f"{_TOOL_CALL_OPEN}{body}{_TOOL_CALL_CLOSE}"
+
+
+def tool_prompt(tools: list[FunctionTool]) -> str:
+    """The tools described in words, for a chat template that cannot take ``tools``: one line
+    per tool with its parameters, and the call format ``parse_completion`` reads. Kept short
+    on purpose: every prompt token is paid for in every turn a small model samples and trains.
+    """
+    lines = ["You can call tools. Tools:"]
+    for t in tools:
+        params = ", ".join((t.parameters or {}).get("properties", {}))
+        desc = f": {t.description}" if t.description else ""
+        lines.append(f"- {t.name}({params}){desc}")
+    lines.append(
+        f'To call a tool, write only: {_TOOL_CALL_OPEN}{{"name": "TOOL", "arguments": {{...}}}}'
+        f"{_TOOL_CALL_CLOSE}"
+    )
+    return "\n".join(lines)
+
+
+def with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """``text`` put first in the system message (one is added when there is none)."""
+    if messages and messages[0]["role"] == "system":
+        first = dict(messages[0], content=f"{text}\n{messages[0]['content']}".rstrip())
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def call_id(turn: int, index: int) -> str:

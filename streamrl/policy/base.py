@@ -22,6 +22,9 @@ class PolicyRequest(msgspec.Struct, kw_only=True):
     state: Any = None  # the environment's decoded state (the scripted policy reads it)
     turn: int = 0
     max_new_tokens: int = 0  # 0: the backend's default
+    # The episode's previous model turn: a backend that renders tokens itself continues from
+    # its exact tokens instead of re-rendering (and re-tokenizing) what the model said.
+    previous: ModelTurn | None = None
 
 
 class PolicyError(RuntimeError):

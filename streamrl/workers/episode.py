@@ -120,7 +120,7 @@ async def run_episode(
 ) -> Trajectory:
     state = env.decode_state(session.state)
     tools = env.tools_for(task)
-    save = _no_checkpoint
+    save, ended = _no_checkpoint, False
     if isinstance(env, ExternalSessionEnv):
         save = _checkpointer(env, session, task, commit)
         state = await env.aready(task, state, session.items, save)
@@ -128,15 +128,26 @@ async def run_episode(
             result = await _call(env, task, state, call, session, save)
             state = result.state
             session.items.append(FunctionCallOutput(call_id=call.call_id, output=result.output))
+            if result.done:
+                ended = True
+                break
             await save(state)
+        session.state = env.encode_state(state)
     status: TrajectoryStatus = "completed"
-    while True:
+    while not ended:
         turn = len(session.turns)
         if turn >= config.max_turns or session.tokens >= config.max_tokens:
             status = "truncated"
             break
         t0 = time.perf_counter()
-        request = PolicyRequest(task=task, items=session.items, tools=tools, state=state, turn=turn)
+        request = PolicyRequest(
+            task=task,
+            items=session.items,
+            tools=tools,
+            state=state,
+            turn=turn,
+            previous=session.turns[-1] if session.turns else None,
+        )
         try:
             model_turn = await policy.respond(request)
         except PolicyError:
@@ -157,7 +168,10 @@ async def run_episode(
                 result = await _call(env, task, state, call, session, save)
                 state = result.state
                 session.items.append(FunctionCallOutput(call_id=call.call_id, output=result.output))
-                await save(state)
+                if result.done:  # the environment ends the episode (an answer was submitted)
+                    done = True
+                    break
+                await save(state)  # an external environment's confirmation of the call
             session.tool_seconds += time.perf_counter() - t1
         else:
             text = _final_text(model_turn.items) or ""

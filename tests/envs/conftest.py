@@ -45,6 +45,8 @@ def play(env: Environment, task: Task, policy: Policy, max_turns: int = 64):
             result = env.call_tool(state, item)
             state = result.state
             items.append(FunctionCallOutput(call_id=item.call_id, output=result.output))
+            if result.done:
+                break
         else:
             assert isinstance(item, Message) and item.role == "assistant"
             reply = env.reply(state, item.content)

@@ -51,21 +51,24 @@ def test_shared_prompts_give_the_loss_and_gradients_of_whole_sequences(tiny_dir,
         torch.testing.assert_close(g_shared[name], g, atol=1e-6, rtol=1e-4, msg=name)
 
 
-def test_prompts_of_different_lengths_run_whole(tiny_dir):
+def test_prompts_of_different_lengths_share_the_shortest_head(tiny_dir):
+    """Rows whose prompts differ in length (two prompts of a batch; an episode's chained turns)
+    still run the tokens they share once: the head is the shortest prompt's length."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     ids = torch.randint(6, 24, (4, 10))
+    ids[:, :7] = ids[0, :7]  # every row starts with the same 7 tokens
     attn = torch.ones_like(ids)
+    whole = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
     calls = _forwards(model)
     mixed = shifted_logits(model, ids, attn, [8, 8, 7, 7])
-    assert len(calls) == 1
+    assert len(calls) == 2  # the shared 7 tokens once, then each row's rest
+    torch.testing.assert_close(mixed[:, 6:], whole[:, 6:], atol=1e-5, rtol=1e-4)
     calls.clear()
-    distinct = shifted_logits(model, ids, attn, [8, 8, 8, 8])  # no two rows share a prompt
-    assert len(calls) == 1
-    whole = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-    torch.testing.assert_close(mixed, whole)
-    torch.testing.assert_close(distinct, whole)
+    distinct = shifted_logits(model, torch.randint(6, 24, (4, 10)), attn, [8, 8, 8, 8])
+    assert len(calls) == 1  # no two rows share a head: one plain forward
+    assert distinct.shape == whole.shape
 
 
 def test_the_reference_model_shares_prompts_too(tiny_dir):

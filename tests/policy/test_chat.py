@@ -90,3 +90,30 @@ def test_tiny_template_renders_converted_messages():
     messages = to_messages([Message(role="user", content="copy : a")], arguments_as_dict=True)
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == "<bos> <user> copy : a <assistant>"
+
+
+def test_a_template_without_tools_gets_calls_inline_and_the_tools_in_words():
+    """SmolLM2's plain ChatML drops ``tool_calls``: an earlier call (a few-shot example) must
+    then be written into the assistant's text, in the form ``parse_completion`` reads back,
+    and the tools described in the system message."""
+    from streamrl.policy._chat import tool_prompt, with_system
+    from streamrl.schema import FunctionTool
+
+    call = FunctionCall(call_id="c1", name="lookup", arguments='{"name": "Ana"}')
+    items = [Message(role="user", content="code of Ana?"), call,
+             FunctionCallOutput(call_id="c1", output="1234")]  # fmt: skip
+    messages = to_messages(items, arguments_as_dict=True, inline_tool_calls=True)
+    text = messages[1]["content"]
+    assert "tool_calls" not in messages[1]
+    assert text == '<tool_call>{"name": "lookup", "arguments": {"name": "Ana"}}</tool_call>'
+    (back,) = parse_completion(text, 0)
+    assert (back.name, json.loads(back.arguments)) == ("lookup", {"name": "Ana"})
+
+    tools = [FunctionTool(name="lookup", description="Find a code.",
+                          parameters={"type": "object", "properties": {"name": {}}})]  # fmt: skip
+    prompt = tool_prompt(tools)
+    assert "- lookup(name): Find a code." in prompt and "<tool_call>" in prompt
+    with_sys = with_system(messages, prompt)
+    assert with_sys[0] == {"role": "system", "content": prompt} and with_sys[1:] == messages
+    merged = with_system([{"role": "system", "content": "Be brief."}], prompt)
+    assert merged == [{"role": "system", "content": f"{prompt}\nBe brief."}]

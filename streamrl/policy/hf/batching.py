@@ -27,7 +27,7 @@ from streamrl.policy import _chat
 from streamrl.policy.base import Policy, PolicyError, PolicyRequest
 from streamrl.policy.hf.decode import Decoder, Sampler, uniforms
 from streamrl.policy.hf.weights import ServedWeights, VersionWatch
-from streamrl.schema import ModelTurn, PolicyVersion
+from streamrl.schema import FunctionCallOutput, Message, ModelTurn, PolicyVersion
 
 _RENDER_CACHE_SIZE = 4096
 _RENDER_KEY = msgspec.msgpack.Encoder()
@@ -83,6 +83,13 @@ class HFPolicy(Policy):
         model.eval()
         self._decoder = Decoder.of(model, self.tokenizer)
         self._template_takes_tools = "tools" in (self.tokenizer.chat_template or "")
+        # "auto": describe the tools in the system message when the template cannot take
+        # them (SmolLM2); "off": the environment's prompt describes them itself.
+        self.tool_prompt = str(opts.get("tool_prompt", "auto"))
+        if self.tool_prompt not in ("auto", "off"):
+            raise ValueError(
+                f"policy option tool_prompt must be auto or off, not {self.tool_prompt!r}"
+            )
 
         self._weights = ServedWeights(model, self.device)
         self._watch = VersionWatch(
@@ -103,6 +110,7 @@ class HFPolicy(Policy):
         self.generate_calls = 0
         self.batch_sizes: list[int] = []
         self._render_cache: dict[bytes, list[int]] = {}
+        self.full_renders = 0  # later turns that could not continue the previous turn's tokens
 
     @property
     def model(self) -> Any:
@@ -124,7 +132,7 @@ class HFPolicy(Policy):
             raise PolicyError("the hf policy is closed")
         loop = asyncio.get_running_loop()
         pending = _Pending(request, loop.create_future())
-        pending.prompt_ids = self._render_cached(request)
+        pending.prompt_ids = self._continue(request) or self._render_cached(request)
         self._queue.append(pending)
         if self._runner is None or self._runner.done():
             # Started as a task, so it first runs after every coroutine that is ready in this
@@ -157,7 +165,8 @@ class HFPolicy(Policy):
     def _render_cached(self, request: PolicyRequest) -> list[int]:
         """Prompt token ids, cached: the samples of a group share their prompt, and rendering a
         chat template costs more than generating a few tokens with a small model."""
-        tools = request.tools if self._template_takes_tools else []
+        with_tools = self._template_takes_tools or self.tool_prompt == "auto"
+        tools = request.tools if with_tools else []
         key = _RENDER_KEY.encode((request.items, tools))
         ids = self._render_cache.get(key)
         if ids is None:
@@ -170,14 +179,48 @@ class HFPolicy(Policy):
     def _render(self, request: PolicyRequest) -> list[int]:
         """The chat template over the conversation so far, with the tools when the template
         knows about tools."""
-        messages = _chat.to_messages(request.items, arguments_as_dict=True)
+        text = self._template(request, request.items, generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _template(self, request: PolicyRequest, items: list, *, generation_prompt: bool) -> str:
+        inline = not self._template_takes_tools
+        messages = _chat.to_messages(items, arguments_as_dict=True, inline_tool_calls=inline)
         kwargs: dict[str, Any] = {}
         if request.tools and self._template_takes_tools:
             kwargs["tools"] = _chat.to_tools(request.tools)
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **kwargs
+        elif request.tools and self.tool_prompt == "auto":
+            messages = _chat.with_system(messages, _chat.tool_prompt(request.tools))
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
         )
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _continue(self, request: PolicyRequest) -> list[int] | None:
+        """A later turn's prompt as the previous turn's exact tokens (its prompt and what the
+        model sampled) followed by the template's rendering of what came since (tool outputs,
+        a user's reply). Re-rendering the whole conversation instead would re-tokenize the
+        model's own words, which need not give back the sampled ids (the learner would then
+        train on tokens the sampler never produced). None: render in full (a first turn, or a
+        template whose output for the earlier conversation is not a prefix of the new one)."""
+        prev = request.previous
+        if prev is None or not prev.token_ids:
+            return None
+        cut = len(request.items)
+        while cut and _after_model(request.items[cut - 1]):
+            cut -= 1
+        if cut == len(request.items):
+            return None  # nothing came since the model's turn
+        eos = self.tokenizer.eos_token or ""
+        before = self._template(request, request.items[:cut], generation_prompt=False)
+        end = before.rfind(eos) + len(eos) if eos and eos in before else -1
+        full = self._template(request, request.items, generation_prompt=True)
+        if end < 0 or full[:end] != before[:end]:
+            self.full_renders += 1
+            return None
+        ids = [*prev.prompt_token_ids, *prev.token_ids]
+        if ids[-1] not in self._decoder.eos_ids:  # cut at max_new_tokens: the template ends it
+            ids.append(self._decoder.eos_ids[0])
+        delta = self.tokenizer(full[end:], add_special_tokens=False)["input_ids"]
+        return ids + list(delta)
 
     # ------------------------------------------------------------------ batching
 
@@ -227,7 +270,8 @@ class HFPolicy(Policy):
         sampler = Sampler(u, self.config.temperature)
         with torch.inference_mode():
             ids, mask = input_ids.to(self.device), attention.to(self.device)
-            self._decoder.sample(self.model, ids, mask, sampler, steps, loop=self.decode == "loop")
+            loop, heads = self.decode == "loop", _shared_heads(batch)
+            self._decoder.sample(self.model, ids, mask, sampler, steps, loop=loop, heads=heads)
         seconds = time.perf_counter() - started
         turns = []
         for i, p in enumerate(batch):
@@ -248,6 +292,30 @@ class HFPolicy(Policy):
                 )
             )
         return turns
+
+
+def _shared_heads(batch: list[_Pending]) -> list[list[int]]:
+    """Each row's leading tokens shared with the other rows of its prompt (a group's later
+    turns share the first prompt and differ after it), at least one token short of the row
+    so that every row has a tail; a row alone keeps all but its last token as its head."""
+    by_prompt: dict[str, list[list[int]]] = {}
+    for p in batch:
+        by_prompt.setdefault(p.request.task.prompt_id, []).append(p.prompt_ids)
+    common: dict[str, int] = {}
+    for prompt_id, rows in by_prompt.items():
+        n = min(len(r) for r in rows) - 1
+        first = rows[0]
+        for r in rows[1:]:
+            n = next((j for j in range(n) if r[j] != first[j]), n)
+        common[prompt_id] = n
+    return [p.prompt_ids[: max(common[p.request.task.prompt_id], 1)] for p in batch]
+
+
+def _after_model(item: Any) -> bool:
+    """Items an episode adds after a model turn: tool outputs and a user's (or system's) reply."""
+    return isinstance(item, FunctionCallOutput) or (
+        isinstance(item, Message) and item.role != "assistant"
+    )
 
 
 def _device(name: str) -> Any:
