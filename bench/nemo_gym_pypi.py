@@ -14,7 +14,10 @@ Python >= 3.12 found on PATH or under pyenv, then ``pip install nemo-gym``) when
    one session per sample, seeded once, with every increment exactly once. The rollouts are then
    exported as NeMo Gym rows and each row's ``responses_create_params`` and ``response`` are
    validated with nemo-gym's own pydantic models (``NeMoGymResponseCreateParamsNonStreaming``,
-   ``NeMoGymResponse``) in the nemo-gym Python.
+   ``NeMoGymResponse``) in the nemo-gym Python, and aggregated by the server's own
+   ``/aggregate_metrics`` (stripped as NeMo Gym's rollout collection strips them): one group of
+   4 rollouts per prompt; the same rows without ``_ng_task_index``/``_ng_rollout_index`` must
+   be refused, as NeMo Gym refuses rows that lack them. ``--train-steps 0`` stops here.
 2. ``copy``: ``streamrl demo``'s training (tiny Llama, hf backend, GRPO learner,
    configs/copy-tiny.toml) with ``env = "nemo-gym"``: prompts cycle a NeMo Gym dataset of copy
    rows and every reward comes from the PyPI server's ``/verify``; ``--train-steps`` learner
@@ -35,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -157,6 +161,7 @@ def counter_part(python: str, tmp: Path, prompts: int) -> dict:
             exported = write_rows(tmp / "counter-rollouts.jsonl", list(it))
             completed, dead = p.stat("groups_completed"), p.r.xlen(p.keys.dead)
         sessions = server.sessions()
+        aggregate = aggregate_metrics(server.url, exported)
     finally:
         server.stop()
     rewards = [json.loads(line)["reward"] for line in exported.read_text().splitlines()]
@@ -169,6 +174,10 @@ def counter_part(python: str, tmp: Path, prompts: int) -> dict:
         and len(sessions) == 4 * prompts
         and all(s["seeds"] == 1 and len(s["calls"]) == 2 for s in sessions.values())
         and validated == len(rewards)
+        and aggregate["status"] == 200
+        and aggregate["tasks"] == prompts
+        and aggregate["rollouts_per_task"] == [4]
+        and aggregate["without_ng_keys_status"] == 500
     )
     return {
         "ok": ok,
@@ -179,6 +188,42 @@ def counter_part(python: str, tmp: Path, prompts: int) -> dict:
         "server_sessions": len(sessions),
         "rows_validated_by_nemo_gym_models": validated,
         "validation_error": None if check.returncode == 0 else check.stderr[-2000:],
+        "aggregate_metrics": aggregate,
+    }
+
+
+def _post(url: str, body: dict) -> tuple[int, dict | str]:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode("utf-8", "replace")[:500]
+
+
+def aggregate_metrics(url: str, exported: Path) -> dict:
+    """The exported rows through the server's own ``/aggregate_metrics``, stripped as NeMo
+    Gym's rollout collection strips them (``response`` and ``responses_create_params`` out);
+    and once more without the ``_ng_*`` keys, which NeMo Gym refuses (as it refused streamrl's
+    rows before they carried them)."""
+    rows = [json.loads(line) for line in exported.read_text().splitlines()]
+    heavy = ("response", "responses_create_params")
+    stripped = [{k: v for k, v in r.items() if k not in heavy} for r in rows]
+    status, answer = _post(f"{url}/aggregate_metrics", {"verify_responses": stripped})
+    bare = [{k: v for k, v in r.items() if not k.startswith("_ng_")} for r in stripped]
+    without, refusal = _post(f"{url}/aggregate_metrics", {"verify_responses": bare})
+    groups = answer.get("group_level_metrics", []) if isinstance(answer, dict) else []
+    agent = answer.get("agent_metrics", {}) if isinstance(answer, dict) else {}
+    return {
+        "status": status,
+        "error": None if status == 200 else answer,
+        "tasks": len(groups),
+        "rollouts_per_task": sorted({g.get("num_rollouts") for g in groups}),
+        "mean_reward": agent.get("mean/reward"),
+        "without_ng_keys_status": without,
+        "without_ng_keys_error": refusal if without != 200 else None,
     }
 
 

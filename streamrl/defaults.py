@@ -144,3 +144,7 @@ METRICS_TAIL_MAX_ENTRIES = 50_000
 # scripted policy replays.
 NEMO_GYM_BODY_SNIPPET = 300
 NEMO_GYM_REFERENCE_FIELD = "reference_output"
+# The keys of a NeMo Gym rollout row that its /aggregate_metrics and reward profiling group by
+# (nemo_gym.global_config's TASK_INDEX_KEY_NAME and ROLLOUT_INDEX_KEY_NAME).
+NG_TASK_INDEX = "_ng_task_index"
+NG_ROLLOUT_INDEX = "_ng_rollout_index"

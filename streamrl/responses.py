@@ -132,8 +132,10 @@ def response_json(
     model: str,
     tools: list[Any] | None = None,
     prefix: str = "",
+    parallel_tool_calls: bool = True,
 ) -> dict[str, Any]:
-    """A complete OpenAI ``Response`` object (the fields its pydantic type requires)."""
+    """A complete OpenAI ``Response`` object (the fields its pydantic type requires);
+    ``parallel_tool_calls`` echoes the request's setting, as OpenAI's does (default true)."""
     return {
         "id": response_id,
         "object": "response",
@@ -141,7 +143,7 @@ def response_json(
         "model": model,
         "status": "completed",
         "output": _output_json(output, prefix),
-        "parallel_tool_calls": True,
+        "parallel_tool_calls": parallel_tool_calls,
         "tool_choice": "auto",
         "tools": list(tools or []),
     }
@@ -176,8 +178,9 @@ def row_to_prompt(line: str | bytes) -> tuple[list[Item], dict[str, Any], str]:
     Accepted shapes: NeMo Gym rows (``responses_create_params.input`` as a string or a list of
     Responses items; every other top-level field becomes verifier data, and so do the params'
     other fields, ``tools`` included, under ``responses_create_params``), or plain rows with a
-    ``prompt`` (string) or ``input`` (items). An optional ``id`` names the prompt and ``env``
-    picks the environment for this row.
+    ``prompt`` (string) or ``input`` (items). An optional ``id`` names the prompt (a NeMo Gym
+    row keeps it among its fields too, with its type, for the server and for export) and
+    ``env`` picks the environment for this row.
     """
     if isinstance(line, bytes):
         try:
@@ -218,7 +221,10 @@ def row_to_prompt(line: str | bytes) -> tuple[list[Item], dict[str, Any], str]:
             raise ValueError(f"input item {i}: {e}") from None
     if not any(isinstance(x, Message) and x.content.strip() for x in items):
         raise ValueError("empty prompt: no message with text")
-    pid = str(row.pop("id", "") or "")
+    own_id = row.pop("id", None)
+    pid = "" if own_id is None or own_id == "" else str(own_id)
+    if isinstance(params, dict) and own_id is not None:
+        row["id"] = own_id  # a NeMo Gym row goes to its server whole, id included, as there
     if isinstance(params, dict) and set(params) - {"input"}:
         # tools and sampling settings: the nemo-gym environment offers these tools and sends
         # the whole params (input rebuilt from the task's items) to /seed_session and /verify

@@ -1,6 +1,7 @@
 """Opt-in: streamrl against the PyPI ``nemo-gym`` package (Python >= 3.12, Ray): its
-``SimpleResourcesServer`` serves the rollouts and the rewards of a short training run, and its
-pydantic models validate the exported rows. Runs bench/nemo_gym_pypi.py.
+``SimpleResourcesServer`` serves the rollouts and the rewards of a short training run, its
+pydantic models validate the exported rows, and its ``/aggregate_metrics`` aggregates them.
+Runs bench/nemo_gym_pypi.py.
 
     STREAMRL_NEMO_GYM_PYTHON=.venv-nemo-gym/bin/python pytest tests/test_nemo_gym_pypi.py
 
@@ -39,3 +40,19 @@ def test_rollouts_and_training_through_pypi_nemo_gym(subprocess_env):
     assert counter["ok"] and counter["rows_validated_by_nemo_gym_models"] == 32, counter
     assert counter["server_sessions"] == 32 and counter["mean_reward"] == 1.0
     assert copy["ok"] and copy["learner_steps"] >= 6, copy
+
+
+@pytest.mark.timeout(600)
+def test_exported_rows_aggregate_in_pypi_nemo_gym(subprocess_env):
+    """``streamrl export --format nemo-gym`` rows through NeMo Gym's own aggregation: one
+    group of 4 rollouts per prompt; the same rows without the ``_ng_*`` keys are refused."""
+    res = subprocess.run(
+        [sys.executable, "bench/nemo_gym_pypi.py", "--nemo-gym-python", PYTHON,
+         "--prompts", "6", "--train-steps", "0"],
+        cwd=ROOT, env=subprocess_env, capture_output=True, text=True, timeout=580,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-4000:]
+    agg = json.loads(res.stdout)["counter"]["aggregate_metrics"]
+    assert agg["status"] == 200 and agg["tasks"] == 6, agg
+    assert agg["rollouts_per_task"] == [4] and agg["mean_reward"] == 1.0, agg
+    assert agg["without_ng_keys_status"] == 500, agg  # "Duplicate ... rollout key (0, 0)"

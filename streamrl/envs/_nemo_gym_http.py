@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 from streamrl.defaults import NEMO_GYM_BODY_SNIPPET
 from streamrl.envs.base import EnvUnavailable
+from streamrl.envs.external import CallUnconfirmed
 from streamrl.http import Retryable, RetryPolicy, httpx_api
 
 _RETRY_STATUS = frozenset({408, 425, 429})
@@ -147,16 +148,31 @@ class ResourcesServer:
             await client.aclose()
 
     async def apost(
-        self, path: str, body: Any, jar: dict[str, str], parse: Any = None, tool: bool = False
+        self,
+        path: str,
+        body: Any,
+        jar: dict[str, str],
+        parse: Any = None,
+        tool: bool = False,
+        idempotent: bool = True,
     ) -> Answer:
-        """``POST path``, retried; ``tool``: a 4xx is the tool's (error) output."""
-        transport_error = httpx_api().TransportError
+        """``POST path``, retried; ``tool``: a 4xx is the tool's (error) output. Not
+        ``idempotent`` (a tool call): a transport failure after the request may have reached
+        the server is ``CallUnconfirmed``, never a retry; one before it (no connection) is
+        retried."""
+        http = httpx_api()
+        transport_error = http.TransportError
+        unsent = (http.ConnectError, http.ConnectTimeout, http.PoolTimeout)
         client = self._async_client()
 
         async def attempt() -> Answer:
             try:
                 resp = await client.post(self._url(path), json=body, headers=_cookie_header(jar))
             except transport_error as e:  # connect/read errors and timeouts
+                if not idempotent and not isinstance(e, unsent):
+                    raise CallUnconfirmed(
+                        f"{self._failure(path, e)}: the request may have been applied"
+                    ) from e
                 raise Retryable(self._failure(path, e)) from e
             return self._answer(path, resp, jar, parse, tool)
 

@@ -12,14 +12,19 @@ the way NeMo Gym's own ``simple_agent`` does:
   first model turn; each tool call is ``POST /<name>`` with the call's JSON arguments, and the
   response body, as text, is the tool's output; ``/verify`` gets the row plus ``response``, an
   OpenAI ``Response`` whose ``output`` holds the whole episode after the input;
-- the cookie jar is part of the episode's state Struct, so it is checkpointed to Redis with the
-  session after every turn: a rollout worker that dies is replaced by another that resumes with
-  the same cookies, and the server sees one continuous session. (A tool call made after the
-  last checkpoint is made again on resume, as the turn that made it is run again.)
+- the cookie jar is part of the episode's state Struct, checkpointed to Redis with the session:
+  a rollout worker that dies is replaced by another that resumes with the same cookies. The
+  state's journal (``streamrl.envs.external``) checkpoints the seed before the first model turn
+  and each tool call before it is sent and after its answer, so a call is never sent twice in
+  one session: one whose answer died with a worker (or was lost to a read timeout) costs a
+  fresh session into which the confirmed calls are replayed, or, where a replay answers
+  differently (or ``replay`` is off), a dead letter. A session given up on is closed with NeMo
+  Gym 0.7's ``POST /close_session`` (a 0.4 server answers 404: it stays open, never verified).
 
 Failures. Connection errors, timeouts, 408/425/429/5xx and malformed answers (``/seed_session``
 or ``/verify`` not a JSON object, a missing or non-finite ``reward``) are retried ``retries``
-times with exponential backoff, then raise ``EnvUnavailable`` with the HTTP status and a
+times with exponential backoff (a tool call's timeout or broken connection after sending is
+not: see above), then raise ``EnvUnavailable`` with the HTTP status and a
 snippet of the body: the rollout worker dead-letters the task, the verifier worker retries and
 dead-letters the sample. Never a reward of 0. A 4xx answer to a tool call is the model's
 mistake (an unknown argument, a bad value): its body goes back to the model as the tool's
@@ -42,13 +47,15 @@ Options: ``base_url`` (required), ``timeout_s`` (30), ``connect_timeout_s`` (5),
 (3), ``backoff_s`` (0.2), ``backoff_max_s`` (5), ``max_connections`` (256), ``model`` (the
 model name written into the ``Response`` sent to ``/verify``), ``verifier_version`` (bump it when
 the server's scoring changes, so ``streamrl reverify`` reports the drift), ``rows`` (a NeMo
-Gym JSONL file that the generator cycles through, for ``produce --count`` and config runs).
+Gym JSONL file that the generator cycles through, for ``produce --count`` and config runs),
+``replay`` (true; false drops a sample whose call was not confirmed instead of replaying it).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import time
 import urllib.parse
 from typing import Annotated, Any
@@ -65,13 +72,13 @@ from streamrl.envs._nemo_gym_http import (
     verify_answer,
 )
 from streamrl.envs.base import (
-    Environment,
     EnvUnavailable,
     OptionError,
     Prompt,
     StepResult,
     Verdict,
 )
+from streamrl.envs.external import ExternalSessionEnv, ExternalState, Journal
 from streamrl.http import RetryPolicy
 from streamrl.responses import input_json, items_from_json, response_json, tools_from_json
 from streamrl.schema import (
@@ -84,7 +91,14 @@ from streamrl.schema import (
     Trajectory,
 )
 
-__all__ = ["NemoGymEnv", "NemoGymState", "merge_cookies", "verdict_from_answer"]
+__all__ = [
+    "NemoGymEnv",
+    "NemoGymState",
+    "episode_id",
+    "merge_cookies",
+    "resources_session_id",
+    "verdict_from_answer",
+]
 
 # row fields that are streamrl's own and never reach the server
 _PRIVATE_FIELDS = frozenset({NEMO_GYM_REFERENCE_FIELD})
@@ -92,15 +106,16 @@ _PRIVATE_FIELDS = frozenset({NEMO_GYM_REFERENCE_FIELD})
 _ECHOED_FIELDS = frozenset({"responses_create_params", "response"})
 
 
-class NemoGymState(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """What a rollout needs of its server session, checkpointed with the episode."""
+class NemoGymState(ExternalState, kw_only=True, omit_defaults=True):
+    """What a rollout needs of its server session, checkpointed with the episode (the journal
+    of ``streamrl.envs.external`` first)."""
 
     seeded: bool = False
     cookies: dict[str, str] = msgspec.field(default_factory=dict)  # the session's cookie jar
     seed_response: Any = None  # what /seed_session answered
 
 
-class NemoGymEnv(Environment[NemoGymState]):
+class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
     name = "nemo-gym"
     version = "1"
     verifier_name = "nemo-gym"
@@ -117,6 +132,7 @@ class NemoGymEnv(Environment[NemoGymState]):
         model: str = "streamrl"
         verifier_version: str = "1"
         rows: str = ""  # a NeMo Gym JSONL dataset: the generator cycles through its rows
+        replay: bool = True  # false: a call whose answer was lost drops the sample
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
@@ -138,6 +154,8 @@ class NemoGymEnv(Environment[NemoGymState]):
             max_connections=o["max_connections"],
         )
         self._rows: list[bytes] | None = None
+        self.replay = bool(o["replay"])
+        self.recoveries = int(o["retries"])
 
     @property
     def verifier_id(self) -> tuple[str, str]:
@@ -190,26 +208,28 @@ class NemoGymEnv(Environment[NemoGymState]):
 
     # ---------------------------------------------------------------- the episode
     def reset(self, task: Task) -> NemoGymState:
-        """An unseeded state: the session is seeded by ``areset`` (the rollout worker), or on
-        first use where an episode is driven without it (local evaluation)."""
+        """An unseeded state: the rollout worker seeds the session under the journal before the
+        first model turn (``ExternalSessionEnv.aready``), other callers on first use."""
         self.tools_for(task)  # a row whose tools cannot be read fails here, not mid-episode
         return NemoGymState()
 
-    def _seeded(self, state: NemoGymState, answer: Answer) -> NemoGymState:
-        return NemoGymState(seeded=True, cookies=answer.cookies, seed_response=answer.parsed)
+    def decode_state(self, blob: bytes) -> NemoGymState:
+        state = super().decode_state(blob)
+        if state.seeded and state.journal.phase == "new":  # checkpointed before the journal
+            state = msgspec.structs.replace(state, journal=Journal(phase="open", applied=-1))
+        return state
 
-    async def _aseed(self, task: Task, state: NemoGymState) -> NemoGymState:
-        answer = await self._server.apost(
-            "/seed_session", self.row(task), state.cookies, seed_answer
+    def _seeded(self, state: NemoGymState, answer: Answer) -> NemoGymState:
+        return msgspec.structs.replace(
+            state, seeded=True, cookies=answer.cookies, seed_response=answer.parsed
         )
+
+    async def aopen(self, task: Task, state: NemoGymState) -> NemoGymState:
+        """``POST /seed_session`` with the row and no cookie: a new server session."""
+        answer = await self._server.apost("/seed_session", self.row(task), {}, seed_answer)
         return self._seeded(state, answer)
 
-    async def areset(self, task: Task) -> NemoGymState:
-        return await self._aseed(task, self.reset(task))
-
-    async def acall_tool(self, task: Task, state: NemoGymState, call: FunctionCall) -> StepResult:
-        if not state.seeded:
-            state = await self._aseed(task, state)
+    async def asend(self, task: Task, state: NemoGymState, call: FunctionCall) -> StepResult:
         names = [t.name for t in self.tools_for(task)]
         if call.name not in names:
             known = ", ".join(sorted(names)) or "none"
@@ -219,9 +239,20 @@ class NemoGymEnv(Environment[NemoGymState]):
         except json.JSONDecodeError as e:
             return StepResult(f"error: arguments are not valid JSON: {e}", state)
         path = "/" + urllib.parse.quote(call.name, safe="")
-        answer = await self._server.apost(path, args, state.cookies, tool=True)
-        state = NemoGymState(seeded=True, cookies=answer.cookies, seed_response=state.seed_response)
+        answer = await self._server.apost(path, args, state.cookies, tool=True, idempotent=False)
+        state = msgspec.structs.replace(state, cookies=answer.cookies)
         return StepResult(answer.body.decode("utf-8", "replace"), state)
+
+    async def aclose_session(self, task: Task, state: NemoGymState) -> bool:
+        """``POST /close_session`` as NeMo Gym 0.7 defines it (``resources_session_id``,
+        ``episode_id``; idempotent), with the session's cookies. A server without it (NeMo Gym
+        0.4) answers 404: the session stays open there, never to be verified."""
+        body = {
+            "resources_session_id": resources_session_id(task.task_id, state.journal.attempt),
+            "episode_id": episode_id(task.task_id, state.journal.attempt),
+        }
+        answer = await self._server.apost("/close_session", body, state.cookies, tool=True)
+        return answer.status < 400
 
     def call_tool(self, state: NemoGymState, call: FunctionCall) -> StepResult:
         raise NotImplementedError("nemo-gym tools run over HTTP: use acall_tool")
@@ -236,6 +267,7 @@ class NemoGymEnv(Environment[NemoGymState]):
             trajectory.started_at or time.time(),
             str(self.options["model"]),
             params.get("tools"),
+            parallel_tool_calls=params.get("parallel_tool_calls", True) is not False,
         )
         return {**self.row(task), "response": response}
 
@@ -269,6 +301,32 @@ class NemoGymEnv(Environment[NemoGymState]):
         if done < len(script):
             return script[done]
         return Message(role="assistant", content="")
+
+
+_ROLLOUT_ID_CHAR = re.compile(r"[A-Za-z0-9.-]")
+
+
+def episode_id(task_id: str, attempt: int) -> dict[str, Any]:
+    """NeMo Gym's ``EpisodeId`` of one server session of a sample: ``rollout_id`` is the task
+    id written in the characters it allows (any other character, ``_`` included, as ``_`` and
+    two hex digits, so that distinct task ids stay distinct; its first character escaped after an
+    ``x`` when it is not a letter or digit), ``attempt`` the session's count from 0
+    (``Journal.attempt``)."""
+    lead = task_id[:1].isascii() and task_id[:1].isalnum()
+    out = [] if lead else ["x"]
+    for i, ch in enumerate(task_id):
+        ok = _ROLLOUT_ID_CHAR.fullmatch(ch) and (i > 0 or lead)
+        out.append(ch if ok else "".join(f"_{b:02x}" for b in ch.encode()))
+    rollout = "".join(out)
+    if re.search(r"-a[1-9][0-9]*$", rollout):  # EpisodeId reserves that suffix
+        rollout += "_"
+    return {"rollout_id": rollout, "attempt": attempt}
+
+
+def resources_session_id(task_id: str, attempt: int) -> str:
+    """The id streamrl gives a sample's server session: ``EpisodeId.capture_key``."""
+    rollout = episode_id(task_id, attempt)["rollout_id"]
+    return rollout if attempt == 0 else f"{rollout}-a{attempt}"
 
 
 def verdict_from_answer(answer: dict[str, Any]) -> Verdict:

@@ -5,9 +5,14 @@ trains on) and writes JSON lines:
 
 - ``nemo-gym``: one NeMo Gym rollout row per sample: the row's own fields,
   ``responses_create_params`` (input and tools), ``response`` (an OpenAI ``Response`` whose
-  ``output`` holds the episode, tool outputs included, as NeMo Gym's agent writes it),
-  ``reward``, and every other field the verifier answered (``Score.info``). streamrl's own
-  bookkeeping goes under ``streamrl`` (task id, policy versions, verifier).
+  ``output`` holds the episode, tool outputs included, as NeMo Gym's agent writes it, and
+  whose ``parallel_tool_calls`` is the request's), ``reward``, and every other field the
+  verifier answered (``Score.info``). The keys NeMo Gym's rollout collection writes and its
+  ``/aggregate_metrics`` and reward profiling group by: ``id`` (the dataset row's own, else the
+  prompt id), ``_ng_task_index`` (the row's own when it has one, else the prompts numbered in
+  the order they are exported) and ``_ng_rollout_index`` (the task's rollouts numbered in that
+  order: for a whole group, the sample index ``k``). streamrl's own bookkeeping goes under
+  ``streamrl`` (task id, policy versions, verifier).
 - ``sft``: the best sample of each group (highest reward, first on ties), as TRL's
   conversational language-modeling format: ``{"messages": [...]}`` plus ``tools``.
 - ``dpo``: one pair per group, best as ``chosen`` and worst as ``rejected``, when their rewards
@@ -40,7 +45,7 @@ import redis
 from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.bus.streams import xrange_all
-from streamrl.defaults import NEMO_GYM_REFERENCE_FIELD
+from streamrl.defaults import NEMO_GYM_REFERENCE_FIELD, NG_ROLLOUT_INDEX, NG_TASK_INDEX
 from streamrl.responses import input_json, response_json
 from streamrl.schema import FunctionCall, FunctionCallOutput, Item, Message, Reasoning
 
@@ -157,7 +162,25 @@ def _chat_tools(tools: list[dict[str, Any]]) -> str:
 # ---------------------------------------------------------------- rows
 
 
-def _nemo_gym_row(sample: schema.Sample) -> dict[str, Any]:
+class _Indices:
+    """NeMo Gym's ``(_ng_task_index, _ng_rollout_index)`` keys, unique in one export."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[str, int] = {}
+        self.rollouts: dict[int, int] = {}
+
+    def of(self, traj: schema.Trajectory) -> tuple[int, int]:
+        own = traj.data.get(NG_TASK_INDEX)
+        if isinstance(own, int) and not isinstance(own, bool):
+            task = own
+        else:
+            task = self.tasks.setdefault(traj.prompt_id, len(self.tasks))
+        rollout = self.rollouts.get(task, 0)
+        self.rollouts[task] = rollout + 1
+        return task, rollout
+
+
+def _nemo_gym_row(sample: schema.Sample, indices: _Indices) -> dict[str, Any]:
     traj, score = sample.trajectory, sample.score
     tools = _tools(traj)
     fields = {
@@ -176,10 +199,15 @@ def _nemo_gym_row(sample: schema.Sample) -> dict[str, Any]:
         traj.started_at,
         model,
         tools,
+        parallel_tool_calls=params.get("parallel_tool_calls", True) is not False,
     )
+    task_index, rollout_index = indices.of(traj)
     return {
         **fields,
         **score.info,
+        "id": fields.get("id", traj.prompt_id),
+        NG_TASK_INDEX: task_index,
+        NG_ROLLOUT_INDEX: rollout_index,
         "responses_create_params": params,
         "response": response,
         "reward": score.reward,
@@ -238,6 +266,7 @@ def export_rows(
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; formats: {', '.join(FORMATS)}")
     res = ExportResult(fmt)
+    indices = _Indices()
 
     def rows() -> Iterator[dict[str, Any]]:
         for group in _groups(r, run, flt.start, flt.end):
@@ -256,7 +285,7 @@ def export_rows(
                     if limit is not None and res.rows >= limit:
                         return
                     res.rows += 1
-                    yield _nemo_gym_row(s)
+                    yield _nemo_gym_row(s, indices)
                 continue
             if not kept:
                 res.skip("empty_group")

@@ -8,6 +8,12 @@
 After every turn that does not end the episode, ``commit`` checkpoints the session; the final
 turn is written together with the trajectory by the caller. A resumed session continues from
 its last committed turn.
+
+An environment whose state lives on a server (``envs.external.ExternalSessionEnv``) is also
+checkpointed inside a turn, through its journal: its session is opened and checkpointed before
+the first model turn, and each tool call is checkpointed before it is sent and after its answer.
+Such an episode is resumed by the journal first (``aready``), then by sending the last turn's
+calls that have no output yet.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from streamrl.config import RolloutConfig
-from streamrl.envs.base import Environment
+from streamrl.envs.base import Environment, StepResult
+from streamrl.envs.external import ExternalSessionEnv
 from streamrl.policy.base import Policy, PolicyError, PolicyRequest
 from streamrl.schema import (
     FunctionCall,
@@ -29,6 +36,7 @@ from streamrl.schema import (
 )
 
 Commit = Callable[[Session], Awaitable[bool]]
+Save = Callable[[object], Awaitable[None]]
 
 
 class LostClaim(Exception):
@@ -56,6 +64,44 @@ async def anew_session(env: Environment, task: Task) -> Session:
     )
 
 
+def _checkpointer(env: Environment, session: Session, task: Task, commit: Commit | None) -> Save:
+    """Checkpoint ``state`` with the session as it stands (an external environment's journal
+    entries); a worker that lost its claim stops before its next request."""
+
+    async def save(state: object) -> None:
+        session.state = env.encode_state(state)
+        if commit is not None and not await commit(session):
+            raise LostClaim(task.task_id)
+
+    return save
+
+
+async def _no_checkpoint(state: object) -> None:
+    return None
+
+
+async def _call(
+    env: Environment, task: Task, state: object, call: FunctionCall, session: Session, save: Save
+) -> StepResult:
+    """One tool call; an external environment's is written ahead through ``save``."""
+    if isinstance(env, ExternalSessionEnv):
+        return await env.acall_durably(task, state, call, session.items, save)
+    return await env.acall_tool(task, state, call)
+
+
+def _unanswered(session: Session) -> list[FunctionCall]:
+    """The last model turn's calls that have no output yet (a worker died between them)."""
+    if not session.turns:
+        return []
+    answered = set()
+    for item in reversed(session.items):
+        if not isinstance(item, FunctionCallOutput):
+            break
+        answered.add(item.call_id)
+    last = session.turns[-1].items
+    return [i for i in last if isinstance(i, FunctionCall) and i.call_id not in answered]
+
+
 def _final_text(items: list) -> str | None:
     for item in reversed(items):
         if isinstance(item, Message) and item.role == "assistant":
@@ -74,8 +120,21 @@ async def run_episode(
 ) -> Trajectory:
     state = env.decode_state(session.state)
     tools = env.tools_for(task)
+    save, ended = _no_checkpoint, False
+    if isinstance(env, ExternalSessionEnv):
+        save = _checkpointer(env, session, task, commit)
+        state = await env.aready(task, state, session.items, save)
+        for call in _unanswered(session):
+            result = await _call(env, task, state, call, session, save)
+            state = result.state
+            session.items.append(FunctionCallOutput(call_id=call.call_id, output=result.output))
+            if result.done:
+                ended = True
+                break
+            await save(state)
+        session.state = env.encode_state(state)
     status: TrajectoryStatus = "completed"
-    while True:
+    while not ended:
         turn = len(session.turns)
         if turn >= config.max_turns or session.tokens >= config.max_tokens:
             status = "truncated"
@@ -106,12 +165,13 @@ async def run_episode(
         if calls:
             t1 = time.perf_counter()
             for call in calls:
-                result = await env.acall_tool(task, state, call)
+                result = await _call(env, task, state, call, session, save)
                 state = result.state
                 session.items.append(FunctionCallOutput(call_id=call.call_id, output=result.output))
                 if result.done:  # the environment ends the episode (an answer was submitted)
                     done = True
                     break
+                await save(state)  # an external environment's confirmation of the call
             session.tool_seconds += time.perf_counter() - t1
         else:
             text = _final_text(model_turn.items) or ""

@@ -42,6 +42,7 @@ from streamrl.bus.streams import (
 from streamrl.config import RunConfig
 from streamrl.defaults import ROLLOUT_GROUP, ROLLOUT_QUEUE
 from streamrl.envs import EnvUnavailable, make_env
+from streamrl.envs.external import abandon
 from streamrl.policy import PolicyError, make_policy
 from streamrl.workers import leases
 from streamrl.workers.batcher import Batcher
@@ -190,6 +191,7 @@ class _RolloutLease:
         """Admit the delivery, resume or open its session, play the turns."""
         most = self.config.streams.max_deliveries
         if entry.fence > most:
+            await abandon(self._env, entry.payload, entry.session)  # its server session
             return _DeadLetter(
                 f"delivered {entry.fence} times (max {most}): its "
                 "workers died or its policy kept failing"

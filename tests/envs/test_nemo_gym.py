@@ -136,7 +136,7 @@ def test_sync_and_async_posts_retry_alike():
 
         async def seed():
             try:
-                return await env.areset(task)
+                return await env.aopen(task, env.reset(task))
             finally:
                 await env.aclose()
 

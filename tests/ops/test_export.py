@@ -52,6 +52,13 @@ def test_export_formats_and_filters(scored_run, tmp_path):
         assert kinds[-1] == "message" and "function_call_output" in kinds
         assert row["response"]["output"][-1]["content"][0]["type"] == "output_text"
         assert row["start"] == s.trajectory.data["start"]  # the row's own fields
+        assert row["id"] == s.trajectory.prompt_id  # generated prompts: their prompt id
+        assert row["response"]["parallel_tool_calls"] is True  # the default, not set by the row
+    # NeMo Gym's rollout keys: one task index per prompt, rollouts 0..3 of each, none twice
+    keys = {(r["_ng_task_index"], r["_ng_rollout_index"]) for r in rows}
+    assert keys == {(t, k) for t in range(8) for k in range(4)}
+    by_prompt = {r["_ng_task_index"]: r["streamrl"]["prompt_id"] for r in rows}
+    assert all(by_prompt[r["_ng_task_index"]] == r["streamrl"]["prompt_id"] for r in rows)
     rewards = sorted({r["reward"] for r in rows})
     assert rewards == [0.0, 1.0]
 

@@ -32,7 +32,9 @@ def test_nemo_gym_rows_become_tasks():
     )
     items, data, pid = row_to_prompt(row)
     assert [(i.role, i.content) for i in items] == [("system", "be brief"), ("user", "2+2?")]
-    assert data == {"expected": "4"} and pid == "q1"
+    assert data == {"expected": "4", "id": "q1"} and pid == "q1"  # a NeMo Gym row keeps its id
+    _, data, pid = row_to_prompt('{"responses_create_params": {"input": "hi"}, "id": 0}')
+    assert data == {"id": 0} and pid == "0"  # an id 0 is an id
 
 
 def test_admission_blocks_until_samples_are_consumed(r, run_name):

@@ -59,6 +59,13 @@ COUNTER_TOOLS = [
     },
 ]
 
+TICKET_TOOL = {
+    "type": "function",
+    "name": "draw_ticket",
+    "description": "A new random ticket.",
+    "parameters": {"type": "object", "properties": {}},
+}
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -7,16 +7,24 @@ state in the server's memory, keyed by the cookie's session id (as its
 ``example_session_state_mgmt`` server keeps ``session_id_to_counter``).
 
 Tools: ``increment_counter`` / ``get_counter_value`` (stateful), ``kv_set`` / ``kv_get`` (a
-small key-value store; ``kv_get`` of a missing key is a 404). ``/verify`` rewards 1.0 when the
-session's counter equals the row's ``expected_count``.
+small key-value store; ``kv_get`` of a missing key is a 404), ``draw_ticket`` (a random ticket
+each call: an answer no replay reproduces). ``/verify`` rewards 1.0 when the session's counter
+equals the row's ``expected_count``. ``/close_session`` is NeMo Gym 0.7's
+(``{resources_session_id, episode_id}``, idempotent, the session named by its cookie); a closed
+session refuses calls and ``/verify`` with a 409, and a call that was in progress when its session
+was closed is not applied.
 
 Faults, chosen per row by its ``fault`` field (the row reaches ``/seed_session``):
 ``tool_5xx`` (every counter call answers 503), ``tool_slow`` (counter calls sleep
 ``slow_s``), ``tool_flaky`` (the first counter call of a session answers 503, then it works),
 ``verify_5xx``, ``verify_malformed`` (200 with a body that is not JSON), ``verify_no_reward``,
-``verify_masked`` (``mask_sample: true``), ``seed_5xx``.
+``verify_masked`` (``mask_sample: true``), ``seed_5xx``, ``tool_lost_answer`` (the first counter
+call of the row's label, over all its sessions, is applied and then answered only after
+``slow_s``: the client times out and never learns that it was applied).
 
-``GET /_sessions`` shows the server-side state, for the tests' checks.
+``GET /_sessions`` shows the server-side state, for the tests' checks: per session its seeds,
+the calls applied (``calls``, in order, each with its global sequence number in ``seqs``),
+``verifies`` and ``closed``.
 Run: ``python -m tests.support.nemo_gym_server --port 8000``.
 """
 
@@ -161,6 +169,26 @@ class KVGetResponse(BaseModel):
     value: str
 
 
+class DrawTicketResponse(BaseModel):
+    ticket: str
+
+
+class EpisodeId(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rollout_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    attempt: int = Field(default=0, ge=0)
+
+
+class ResourcesCloseSessionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    resources_session_id: str
+    episode_id: EpisodeId
+
+
+class ResourcesCloseSessionResponse(BaseModel):
+    resources_session_id: str
+
+
 class CounterVerifyRequest(BaseVerifyRequest):
     expected_count: int
 
@@ -180,21 +208,36 @@ class SessionRecord(BaseModel):
     seeds: int = 0
     calls: list[str] = []
     kv: dict[str, str] = {}
+    seqs: list[int] = []
     verifies: int = 0
     counter_failures: int = 0
+    closed: bool = False
+    close_body: dict[str, Any] = {}
 
 
 class CounterResourcesServer:
     def __init__(self, secret: str = "streamrl-test-secret") -> None:
         self.secret = secret
         self.sessions: dict[str, SessionRecord] = {}
+        self.seq = 0
+        self.lost_answers: set[str] = set()  # labels whose one answer was lost
 
     def session(self, request: Request) -> SessionRecord:
         sid = request.session[SESSION_ID_KEY]
         record = self.sessions.get(sid)
         if record is None:  # a cookie this server never seeded
             raise HTTPException(409, f"session {sid} was never seeded")
+        if record.closed:
+            raise HTTPException(409, f"session {sid} is closed")
         return record
+
+    def apply(self, record: SessionRecord, call: str) -> None:
+        """Log a call as applied (the server's own record of what it did, for the checks)."""
+        if record.closed:  # closed while the call was in progress: not applied
+            raise HTTPException(409, "session closed")
+        self.seq += 1
+        record.calls.append(call)
+        record.seqs.append(self.seq)
 
     def setup_webserver(self) -> FastAPI:
         app = FastAPI()
@@ -213,7 +256,9 @@ class CounterResourcesServer:
         app.post("/get_counter_value")(self.get_counter_value)
         app.post("/kv_set")(self.kv_set)
         app.post("/kv_get")(self.kv_get)
+        app.post("/draw_ticket")(self.draw_ticket)
         app.post("/verify")(self.verify)
+        app.post("/close_session")(self.close_session)
         app.get("/_sessions")(self.list_sessions)
         return app
 
@@ -246,28 +291,45 @@ class CounterResourcesServer:
     ) -> IncrementCounterResponse:
         record = self.session(request)
         await self._counter_fault(record)
+        self.apply(record, f"increment_counter:{body.count}")
         record.count += body.count
-        record.calls.append(f"increment_counter:{body.count}")
+        if record.fault == "tool_lost_answer" and record.label not in self.lost_answers:
+            self.lost_answers.add(record.label)
+            await asyncio.sleep(record.slow_s)
         return IncrementCounterResponse(success=True)
 
     async def get_counter_value(self, request: Request) -> GetCounterValueResponse:
         record = self.session(request)
         await self._counter_fault(record)
-        record.calls.append("get_counter_value")
+        self.apply(record, "get_counter_value")
         return GetCounterValueResponse(count=record.count)
 
     async def kv_set(self, request: Request, body: KVSetRequest) -> IncrementCounterResponse:
         record = self.session(request)
+        self.apply(record, f"kv_set:{body.key}")
         record.kv[body.key] = body.value
-        record.calls.append(f"kv_set:{body.key}")
         return IncrementCounterResponse(success=True)
 
     async def kv_get(self, request: Request, body: KVGetRequest) -> KVGetResponse:
         record = self.session(request)
-        record.calls.append(f"kv_get:{body.key}")
+        self.apply(record, f"kv_get:{body.key}")
         if body.key not in record.kv:
             raise HTTPException(404, f"no key {body.key!r}")
         return KVGetResponse(value=record.kv[body.key])
+
+    async def draw_ticket(self, request: Request) -> DrawTicketResponse:
+        record = self.session(request)
+        self.apply(record, "draw_ticket")
+        return DrawTicketResponse(ticket=uuid.uuid4().hex)
+
+    async def close_session(
+        self, request: Request, body: ResourcesCloseSessionRequest
+    ) -> ResourcesCloseSessionResponse:
+        record = self.sessions.get(request.session[SESSION_ID_KEY])
+        if record is not None:  # closing an unknown or closed session succeeds too
+            record.closed = True
+            record.close_body = body.model_dump()
+        return ResourcesCloseSessionResponse(resources_session_id=body.resources_session_id)
 
     async def verify(self, request: Request, body: CounterVerifyRequest) -> Any:
         record = self.session(request)

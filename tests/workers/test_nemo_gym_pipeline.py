@@ -64,6 +64,7 @@ def test_rollouts_train_on_the_server_and_its_failures_are_dead_letters(
         "noreward": counter_row("noreward", 1, [1], fault="verify_no_reward"),
         "masked": counter_row("masked", 1, [1], fault="verify_masked"),
     }
+    good["ok2"]["responses_create_params"]["parallel_tool_calls"] = False
     rows = write_rows(tmp_path / "rows.jsonl", [*good.values(), *bad.values()])
     cfg = RunConfig(
         run="ng",
@@ -139,6 +140,14 @@ def _export_and_reverify(server_url, redis_url, subprocess_env, tmp_path, scores
     assert row["counter"] == row["expected_count"] and row["tool_calls"] >= 1  # /verify's fields
     assert row["response"]["output"][0]["type"] == "function_call"
     assert "reference_output" not in row
+    # what NeMo Gym's own tooling keys rollouts by: the dataset row's id, a task index per
+    # prompt, a rollout index per sample; and the request's real parallel_tool_calls
+    assert {r["id"] for r in rows} == {"ok1", "ok2", "miss", "flaky"}
+    keys = sorted((r["_ng_task_index"], r["_ng_rollout_index"]) for r in rows)
+    assert keys == [(t, k) for t in range(4) for k in range(2)]
+    assert len({(r["id"], r["_ng_task_index"]) for r in rows}) == 4
+    parallel = {r["id"]: r["response"]["parallel_tool_calls"] for r in rows}
+    assert parallel == {"ok1": True, "ok2": False, "miss": True, "flaky": True}
 
     def reverify(path):
         argv = ["reverify", "--nemo-gym-rows", str(path), "--env-option", f"base_url={server_url}"]
