@@ -6,13 +6,16 @@ their attempts back to back: with streamrl's 150 tries, a command failed 0.4 s i
 failover that takes seconds (3.6-4.5 s with a 2 s ``cluster-node-timeout``, 16-20 s with the
 default 15 s), so the learner and the producer died where a plain Redis client would have
 waited. ``PausingCluster`` and ``PausingAsyncCluster`` keep redis-py's quick attempts
-(``CLUSTER_QUICK_RETRIES``: each re-reads the slot table after a failure and moves off a dead
-default node) and wrap each command, and each pipeline, in the ``Retry`` with its pauses. Each
-client logs one warning when its commands start failing and one line when they work again.
+(``CLUSTER_QUICK_RETRIES``) and wrap each command, and each pipeline, in the ``Retry`` with its
+pauses; between two attempts they read the slot table again and move the default node off a
+dead master (redis-py asks that node where a command's keys are, and would not move off it
+by itself). Each client logs one warning when its commands start failing and one line when
+they work again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections.abc import Callable
@@ -120,9 +123,26 @@ class PausingCluster(redis.RedisCluster):
     def with_pauses(self, attempt: Callable[[], T]) -> T:
         if self._pauses is None:
             return attempt()
-        out = self._pauses.call_with_retry(attempt, self._outage.failed, cluster_retryable)
+        out = self._pauses.call_with_retry(attempt, self._failed, cluster_retryable)
         self._outage.answered()
         return out
+
+    def _failed(self, error: Exception) -> None:
+        """Before the next attempt: read the slot table again and move the default node to a
+        master that answers. redis-py asks the default node for the keys of commands whose
+        keys it cannot place itself (XREADGROUP, EVALSHA); when that node is the dead
+        master, the command fails before it reaches the code that would refresh the table
+        or replace the node, so without this every retry fails the same way long after the
+        replica has taken over."""
+        self._outage.failed(error)
+        with contextlib.suppress(Exception):  # nothing answers yet: the next attempt says so
+            self.nodes_manager.initialize()
+        for node in [self.get_default_node(), *self.get_primaries()]:
+            with contextlib.suppress(Exception):
+                if node is not None and node.redis_connection is not None:
+                    node.redis_connection.ping()
+                    self.replace_default_node(node)
+                    return
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         run = super().execute_command
@@ -173,7 +193,13 @@ class _RetriedPipeline:
             pipe = redis.RedisCluster.pipeline(self._client)
             for name, args, kwargs in queued:
                 getattr(pipe, name)(*args, **kwargs)
-            return pipe.execute(raise_on_error)
+            replies = pipe.execute(raise_on_error)
+            # raise_on_error=False hands errors back as replies (to read a stream that may
+            # not exist, say); one that a failover caused is retried, not handed back
+            for reply in replies:
+                if isinstance(reply, Exception) and cluster_retryable(reply):
+                    raise reply
+            return replies
 
         return self._client.with_pauses(attempt)
 
@@ -196,6 +222,9 @@ class PausingAsyncCluster(redis.asyncio.RedisCluster):
 
         async def failed(error: Exception) -> None:
             self._outage.failed(error)
+            # read the cluster again before the next attempt, whatever failed: a command
+            # whose keys redis-py asks a dead node for fails before redis-py notices
+            self._initialize = True
 
         out = await self._pauses.call_with_retry(
             lambda: run(*args, **kwargs), failed, cluster_retryable

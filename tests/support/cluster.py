@@ -173,11 +173,16 @@ class LocalCluster:
     def kill_master_of(self, key: str, timeout: float = 120.0) -> tuple[int, int, float]:
         """SIGKILL the master serving ``key`` and wait until its replica has taken over and the
         cluster is ok again. Returns (killed port, promoted port, seconds from the kill to the
-        promotion as the promoted node saw it)."""
+        promotion as seen from here)."""
         master = self.node_of(key)
         replica = self.replica_of(master)
         self.kill(master)
         killed_at = time.monotonic()
+        self.wait_promoted(replica, master, timeout)
+        return master, replica, time.monotonic() - killed_at
+
+    def wait_promoted(self, replica: int, master: int, timeout: float = 120.0) -> None:
+        """Until ``replica`` is a master and sees the cluster ok."""
         wait_for(
             lambda: self.role(replica) == "master" and self._state_ok(replica),
             f"replica {replica} to take over from {master}",
@@ -185,7 +190,6 @@ class LocalCluster:
             (redis.RedisError,),
             every=0.02,
         )
-        return master, replica, time.monotonic() - killed_at
 
     def _state_ok(self, port: int) -> bool:
         info = redis.Redis(port=port).execute_command("CLUSTER", "INFO")
