@@ -105,7 +105,7 @@ LEASE_FAILURE_BACKOFF_MAX_S = 30.0
 # command with exponential backoff (RECONNECT_BASE_S doubling up to RECONNECT_CAP_S) for about
 # RECONNECT_RETRIES tries, which rides out a restart of a couple of minutes (about 148 s of
 # pauses). One-shot commands that read (status, dead, replay) retry for BRIEF_RECONNECT_RETRIES
-# tries, about 58 s: a failover with the default cluster-node-timeout of 15 s took 23 s here.
+# tries, about 58 s: a failover with the default cluster-node-timeout of 15 s took 19-23 s here.
 # On a cluster, redis-py's own retry loop (no pauses) gets CLUSTER_QUICK_RETRIES tries inside
 # each of ours: enough to re-read the slot table and move off a dead default node.
 RECONNECT_BASE_S = 0.05
