@@ -109,6 +109,11 @@ def test_sharded_run_spreads_over_nodes_and_loses_nothing(
     info = json.loads(shown.stdout)
     assert info["groups_completed"] == 30 and info["trajectories"] == 60
     assert [info["shards"][str(s)]["groups_completed"] for s in range(SHARDS)] == [10] * 3
+    # status names the master serving each shard, and the run's own keys
+    assert [info["shards"][str(s)]["node"] for s in range(SHARDS)] == [
+        f"127.0.0.1:{port}" for port in owners
+    ]
+    assert info["redis"]["node"] == f"127.0.0.1:{redis_cluster.node_of(Keys(RUN).config)}"
     assert info["stages"]["groups"]["length"] == 30
     assert replayed.returncode == 2 and "--shard" in replayed.stderr
 
