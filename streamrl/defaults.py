@@ -101,12 +101,18 @@ WORKER_TTL_S = 30
 WORKER_LIVE_S = 20.0
 LEASE_FAILURE_BACKOFF_MAX_S = 30.0
 
-# Reconnecting after Redis restarts: long-lived roles retry every command with exponential
-# backoff (RECONNECT_BASE_S doubling up to RECONNECT_CAP_S) for about RECONNECT_RETRIES tries,
-# which rides out a restart of a couple of minutes.
+# Reconnecting after Redis restarts and Redis Cluster failovers: long-lived roles retry every
+# command with exponential backoff (RECONNECT_BASE_S doubling up to RECONNECT_CAP_S) for about
+# RECONNECT_RETRIES tries, which rides out a restart of a couple of minutes (about 148 s of
+# pauses). One-shot commands that read (status, dead, replay) retry for BRIEF_RECONNECT_RETRIES
+# tries, about 58 s: a failover with the default cluster-node-timeout of 15 s took 19-23 s here.
+# On a cluster, redis-py's own retry loop (no pauses) gets CLUSTER_QUICK_RETRIES tries inside
+# each of ours: enough to re-read the slot table and move off a dead default node.
 RECONNECT_BASE_S = 0.05
 RECONNECT_CAP_S = 1.0
 RECONNECT_RETRIES = 150
+BRIEF_RECONNECT_RETRIES = 60
+CLUSTER_QUICK_RETRIES = 2
 
 # Admission control (the producer's gate, producer.LearnerAdmission). Dropped samples (stale,
 # zero-variance, failed groups) settle only while training pays for them: at most

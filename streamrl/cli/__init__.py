@@ -8,6 +8,7 @@ import os
 import click
 
 from streamrl import defaults as d
+from streamrl.bus.eviction import ENV_ALLOW, EvictingRedis
 from streamrl.bus.health import RunFaulted
 from streamrl.cli._common import Ctx
 from streamrl.cli.bench import bench
@@ -29,7 +30,7 @@ class Group(click.Group):
             return super().invoke(ctx)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
-        except RunFaulted as e:
+        except (RunFaulted, EvictingRedis) as e:
             raise click.ClickException(str(e)) from None
         except Exception as e:
             if ctx.params.get("debug") or os.environ.get("STREAMRL_DEBUG", "") not in ("", "0"):
@@ -66,6 +67,13 @@ class Group(click.Group):
     envvar="STREAMRL_LOG_FORMAT",
     help="Log lines as JSON objects or key=value for a terminal (auto: console on a tty).",
 )
+@click.option(
+    "--allow-eviction",
+    is_flag=True,
+    envvar=ENV_ALLOW,
+    help="Run even on a Redis whose maxmemory-policy may delete keys (not noeviction); "
+    "every role warns at its start.",
+)
 @click.version_option(package_name="streamrl")
 @click.pass_context
 def main(
@@ -76,11 +84,14 @@ def main(
     run_dir: str,
     debug: bool,
     log_format: str,
+    allow_eviction: bool,
 ) -> None:
     """streamrl: RL from verifiable rewards as a streaming pipeline on Redis."""
     from streamrl.log import configure
 
     configure(fmt=log_format)
+    if allow_eviction:  # in the environment, so rq workers and learner ranks see it too
+        os.environ[ENV_ALLOW] = "1"
     ctx.obj = Ctx(redis_url, run, run_dir, control_redis)
 
 

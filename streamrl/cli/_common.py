@@ -33,21 +33,35 @@ class Ctx:
             )
         return _checked_url(url)
 
-    def client(self, resilient: bool = False):
+    def client(self, resilient: bool | int | None = None, wait: bool = False):
         """A client for this command's data Redis (a ``RedisCluster`` for a
-        ``redis+cluster://`` URL). Long-lived roles (``produce``) pass ``resilient`` to
-        ride out a Redis restart; the first ping still fails fast on a wrong URL."""
+        ``redis+cluster://`` URL). The first PING fails fast on a wrong URL; after it,
+        commands are retried with backoff: ``resilient=True`` for long-lived roles (about
+        2.5 min: a Redis restart, a cluster failover), by default briefly (about 58 s: a
+        failover with the default ``cluster-node-timeout``), ``False`` not at all. ``wait``:
+        a Redis that does not answer yet is waited for (the same 2.5 min), saying so once."""
+        return self._reach(self.url(), resilient, wait)
+
+    def _reach(self, url: str, resilient: bool | int | None, wait: bool):
         import redis
 
-        from streamrl.connection import connect, make_resilient, redact
+        from streamrl import defaults as d
+        from streamrl.connection import connect, make_resilient, reach, redact
 
-        url = self.url()
-        r = connect(url)
+        retries = d.BRIEF_RECONNECT_RETRIES if resilient is None else resilient
+        if wait:
+            said = _Waiting(url)
+            client = reach(url, on_wait=said)
+            said.done()
+            return client
         try:
+            r = connect(url)
             r.ping()
         except redis.RedisError as e:
             raise click.ClickException(redact(f"cannot reach Redis at {url}: {e}")) from None
-        return make_resilient(r) if resilient else r
+        if retries is False:
+            return r
+        return make_resilient(r, d.RECONNECT_RETRIES if retries is True else int(retries))
 
     def control_url(self) -> str:
         """rq's Redis: --control-redis, STREAMRL_CONTROL_URL, else the data Redis when it is
@@ -59,21 +73,45 @@ class Ctx:
         except ValueError as e:
             raise click.ClickException(str(e)) from None
 
-    def control(self, data=None):
+    def control(self, data=None, wait: bool = False):
         """A client for rq's Redis; ``data`` itself when that is the same server."""
-        import redis
-
-        from streamrl.connection import connect, redact
-
         url = self.control_url()
         if data is not None and url == self.url():
             return data
-        r = connect(url)
-        try:
-            r.ping()
-        except redis.RedisError as e:
-            raise click.ClickException(redact(f"cannot reach Redis at {url}: {e}")) from None
-        return r
+        return self._reach(url, None, wait)
+
+
+class _Waiting:
+    """What a role that waits for Redis at its start says: one line when it starts waiting,
+    one when Redis answers."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.since: float | None = None
+
+    def __call__(self, error: Exception, patience_s: float) -> None:
+        import time
+
+        from streamrl.connection import redact
+
+        self.since = time.monotonic()
+        why = " ".join(str(error).split())
+        click.echo(
+            redact(
+                f"cannot reach Redis at {self.url} ({why}): waiting for it, retrying with "
+                f"backoff for up to {patience_s:.0f} s"
+            ),
+            err=True,
+        )
+
+    def done(self) -> None:
+        import time
+
+        from streamrl.connection import redact
+
+        if self.since is not None:
+            took = time.monotonic() - self.since
+            click.echo(redact(f"Redis at {self.url} answers after {took:.1f} s"), err=True)
 
 
 pass_ctx = click.make_pass_decorator(Ctx)

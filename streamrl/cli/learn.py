@@ -12,6 +12,7 @@ import msgspec
 import redis
 from click.core import ParameterSource
 
+from streamrl.bus.eviction import EvictingRedis
 from streamrl.bus.health import RunFaulted
 from streamrl.connection import check_url, connect, redact, resolve_url
 from streamrl.defaults import DEFAULT_RUN, RUN_DIR
@@ -105,7 +106,7 @@ def learn_command(
         sys.exit(launch(nproc, args))
     try:
         state = run_learner(resolved, run, cfg, exit_when_idle=exit_when_idle, shards=shards)
-    except (ValueError, RunFaulted) as e:  # also when torchrun runs this module directly
+    except (ValueError, RunFaulted, EvictingRedis) as e:  # also when torchrun runs this directly
         raise click.ClickException(str(e)) from None
     if int(os.environ.get("RANK", "0")) == 0:
         click.echo(msgspec.json.encode(state).decode())

@@ -59,7 +59,7 @@ def metrics(c: Ctx, port: int, addr: str, all_runs: bool) -> None:
     from streamrl.workers.context import consumer_name
 
     bind(run=c.run, role="metrics", worker=consumer_name())
-    r = c.client()
+    r = c.client(resilient=False)  # a scrape that cannot read Redis says so (redis_up 0) at once
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     what = "every run" if all_runs else f"run {c.run!r}"

@@ -116,6 +116,7 @@ def produce(
     Also stores the run's config, which the workers read. A restarted producer continues where
     the last one stopped: prompts are never pushed twice.
     """
+    from streamrl.bus import eviction
     from streamrl.log import bind
     from streamrl.workers.context import consumer_name
 
@@ -126,6 +127,7 @@ def produce(
     env = _runnable_env(cfg, skip_policy_check)
     bind(run=c.run, role="producer", worker=consumer_name())
     r = c.client(resilient=True)
+    eviction.check(r, "producer")
     _open_run(r, c.control(r), cfg, keep_stored_shards=shards is None and config_path is None)
     admission, producer = _admitted_producer(r, cfg)
     if dataset:
@@ -259,7 +261,12 @@ def _say_pushed(res: ProduceResult) -> None:
 def worker(c: Ctx, role: str, name: str | None) -> None:
     """Run one rq worker for ROLE (same as
     `rq worker -u URL -w streamrl.workers.LeaseWorker -S json srl-ROLE`; with a separate
-    control Redis, rq gets that URL and the worker the data URL as STREAMRL_DATA_URL)."""
+    control Redis, rq gets that URL and the worker the data URL as STREAMRL_DATA_URL).
+
+    A Redis that does not answer yet (restarting, a cluster failing over) is waited for; a
+    run with no config yet gets no lease until a producer stores it."""
+    from streamrl.bus import eviction
+    from streamrl.bus.keys import Keys
     from streamrl.bus.shards import run_shards
     from streamrl.bus.streams import ensure_groups
     from streamrl.connection import ENV_DATA_URL
@@ -268,11 +275,20 @@ def worker(c: Ctx, role: str, name: str | None) -> None:
 
     url = c.url()
     queue = d.ROLLOUT_QUEUE if role == "rollout" else d.VERIFY_QUEUE
-    r = c.client()
-    control = c.control(r)
-    for k in run_shards(r, c.run):
-        ensure_groups(r, k)
-    leases.top_up_shards(control, queue, c.run, data=None if control is r else r)
+    r = c.client(resilient=True, wait=True)
+    eviction.check(r, f"{role} worker")
+    control = c.control(r, wait=True)
+    if r.exists(Keys(c.run).config):
+        for k in run_shards(r, c.run):
+            ensure_groups(r, k)
+        leases.top_up_shards(control, queue, c.run, data=None if control is r else r)
+    else:
+        # a lease queued now would consume the run's unsharded streams, whatever shards the
+        # producer is about to store; idle workers queue the right leases once it has
+        click.echo(
+            f"run {c.run!r} has no config yet: the worker waits for a producer to start it",
+            err=True,
+        )
     control_url = c.control_url()
     if control_url != url:
         os.environ[ENV_DATA_URL] = url

@@ -43,7 +43,7 @@ import structlog
 import torch
 
 from streamrl import schema
-from streamrl.bus import health
+from streamrl.bus import eviction, health
 from streamrl.bus.keys import Keys
 from streamrl.bus.streams import ensure_groups
 from streamrl.bus.values import id_order
@@ -101,6 +101,7 @@ def _open(
     start, the initial weights published as version 0."""
     r = connect(url, resilient=True)
     keys = Keys(run)
+    eviction.check(r, "learner")
     health.check_fault(r, keys)  # before loading anything
     shard_list = resolve_shards(r, run, shards)
     for one in shard_list:

@@ -28,6 +28,7 @@ import redis
 import structlog
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from redis.exceptions import RedisClusterException
 
 from streamrl import schema
 from streamrl.bus.keys import Keys
@@ -83,7 +84,7 @@ class _Collector(Collector):
         with self._lock:
             try:
                 families = list(self._collect())
-            except redis.RedisError as e:
+            except (redis.RedisError, RedisClusterException) as e:  # down, or failing over
                 families = []
                 up.add_metric([], 0)
                 skipped = self._repeats.check("redis", str(e))

@@ -1,6 +1,8 @@
 """What ``streamrl status`` shows: per stage the stream length, consumer-group lag and pending
 count, dead letters, rq workers per queue, groups completed, the policy version, the
-learner's progress, and per rollout worker the policy version it serves (``health``)."""
+learner's progress, per rollout worker the policy version it serves (``health``), and the
+data Redis itself: its ``maxmemory-policy`` and, on a Redis Cluster, which master serves the
+run's own keys and each shard (``redis``)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,13 @@ from typing import Any
 import redis
 
 from streamrl import schema
+from streamrl.bus import eviction
 from streamrl.bus.health import policy_health
 from streamrl.bus.keys import Keys
 from streamrl.bus.shards import run_shards
 from streamrl.bus.streams import stage_groups
 from streamrl.bus.values import as_str
+from streamrl.connection import is_cluster
 from streamrl.defaults import ROLLOUT_QUEUE, VERIFY_QUEUE
 
 
@@ -97,6 +101,26 @@ def _total(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def node_of(r: Any, key: str) -> str | None:
+    """``host:port`` of the Redis Cluster master serving ``key`` (None on a plain Redis)."""
+    return r.get_node_from_key(key).name if is_cluster(r) else None
+
+
+def _redis_status(r: Any, keys: Keys) -> dict[str, Any]:
+    try:
+        policies = eviction.policies(r)
+    except redis.ResponseError as e:  # INFO denied to this user
+        policies, problem = {}, f"cannot read maxmemory-policy: {e}"
+    else:
+        problem = eviction.problem(policies)
+    return {
+        "cluster": is_cluster(r),
+        "node": node_of(r, keys.config),  # the run's own keys (all of them when unsharded)
+        "maxmemory_policy": policies,
+        "eviction": problem,
+    }
+
+
 def collect(r: redis.Redis, run: str, control: redis.Redis | None = None) -> dict[str, Any]:
     """``r``: the run's data Redis; ``control``: rq's, when that is another server. A sharded
     run shows its totals in the usual fields and each shard under ``shards``."""
@@ -120,7 +144,11 @@ def collect(r: redis.Redis, run: str, control: redis.Redis | None = None) -> dic
         "learner": learner,
         "producer": _producer_state(r, keys),
         "policy_health": policy_health(r, keys),
+        "redis": _redis_status(r, keys),
     }
     if len(parts) > 1:
-        info["shards"] = {k.label: part for k, part in zip(shards, parts, strict=True)}
+        info["shards"] = {
+            k.label: {"node": node_of(r, k.tasks), **part}
+            for k, part in zip(shards, parts, strict=True)
+        }
     return info

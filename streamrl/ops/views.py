@@ -79,12 +79,22 @@ def status_table(info: dict[str, Any]) -> Table:
         for key in ("verdict", "no_signal"):  # one line each, when there is one
             if ln.get(key):
                 foot.add_row("learner", "", "", str(ln[key]))
+    rd = info.get("redis") or {}
+    if rd.get("cluster"):
+        nodes = f"run keys on {rd.get('node')}"
+        nodes += "".join(
+            f", shard {label} on {part.get('node')}"
+            for label, part in (info.get("shards") or {}).items()
+        )
+        foot.add_row("redis cluster", nodes, "", "")
     pr = info.get("producer") or {}
     if pr.get("state") == "waiting":
         foot.add_row("producer", f"waiting {pr.get('waiting_s', 0)} s", "", str(pr.get("message")))
     elif pr:
         foot.add_row("producer", str(pr.get("state")), "in flight", str(pr.get("in_flight")))
     parts: list[Any] = [t, foot]
+    if rd.get("eviction"):
+        parts.append(Text(f"REDIS: {rd['eviction']}", style="bold red"))
     health = info.get("policy_health") or {}
     if health.get("fault"):
         parts.append(Text(f"FAULT: {health['fault']}", style="bold red"))

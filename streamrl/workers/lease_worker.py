@@ -40,6 +40,7 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
+from streamrl.bus import eviction
 from streamrl.bus.keys import Keys
 from streamrl.bus.shards import run_shards
 from streamrl.connection import make_resilient
@@ -87,7 +88,7 @@ def ensure_leases(r: redis.Redis, queue_names: list[str], data: object = None) -
     for run in _listed_runs(d):  # type: ignore[arg-type]
         for keys in run_shards(d, run):
             for name in names:
-                if leases.has_work(d, name, run, keys.shard):  # type: ignore[arg-type]
+                if leases.has_work(d, name, keys):  # type: ignore[arg-type]
                     added += leases.top_up(r, name, run, data=data, shard=keys.shard)
     return added
 
@@ -103,6 +104,10 @@ class LeaseWorker(Worker):
         make_resilient(self.connection)
         # the runs' data Redis when it is not rq's (STREAMRL_DATA_URL: a Redis Cluster)
         self.data = data_connection(self.connection)
+        try:
+            eviction.check(self.data, "rq worker")
+        except eviction.EvictingRedis as e:  # rq's command line prints it and exits 1
+            raise SystemExit(f"Error: {e}") from None
         self.job_monitoring_interval = min(self.job_monitoring_interval, WORKER_HEARTBEAT_S)
         self.worker_ttl = min(self.worker_ttl, WORKER_TTL_S)
         self._failures = 0  # consecutive failed leases run by this worker

@@ -21,6 +21,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
+from streamrl.bus.keys import Keys
 from streamrl.bus.values import as_str
 from streamrl.defaults import (
     LEASE_DRAIN_SECONDS,
@@ -148,25 +149,24 @@ def top_up_if_work(
     as they start (so a second worker finds a lease while the first is busy) and as they end;
     a run with nothing left gets no successor, so an idle run does not keep a chain of empty
     leases turning (idle ``LeaseWorker``s queue one again when work arrives)."""
-    from streamrl.bus.keys import Keys
+    from streamrl.bus.shards import keys_of_shard, shard_count
 
-    if r.exists(Keys(run).halt) or not has_work(r, name, run, shard):
+    keys = keys_of_shard(run, shard, shard_count(r, run))
+    if keys is None or r.exists(keys.halt) or not has_work(r, name, keys):
         return 0
     if control is None or control is r:
         return top_up(r, name, run, at_most_every_s=at_most_every_s, shard=shard)
     return top_up(control, name, run, at_most_every_s=at_most_every_s, data=r, shard=shard)
 
 
-def has_work(r: redis.Redis, name: str, run: str, shard: int | None = None) -> bool:
+def has_work(r: redis.Redis, name: str, keys: Keys) -> bool:
     """Whether the stream this queue's leases read has entries not yet delivered, or entries
     delivered and not yet acked (held by a live lease, or left by a dead one to reclaim).
     A run with neither needs no lease: leases for idle runs would only take turns on the
     workers with the runs that have work. A run whose policy fault is set needs rollout
     leases too: only a lease that loads the policy again can clear it."""
-    from streamrl.bus.keys import Keys
     from streamrl.defaults import ROLLOUT_GROUP, VERIFY_GROUP
 
-    keys = Keys(run, shard)
     stream, group = {
         "srl-rollout": (keys.tasks, ROLLOUT_GROUP),
         "srl-verify": (keys.rollouts, VERIFY_GROUP),

@@ -29,6 +29,7 @@ import structlog
 from streamrl import schema
 from streamrl.bus import health
 from streamrl.bus.keys import Keys
+from streamrl.bus.shards import NO_SUCH_SHARD, keys_of_shard
 from streamrl.bus.streams import (
     Entry,
     Scripts,
@@ -79,7 +80,8 @@ class _RolloutLease:
         self.on_ready = on_ready
         self.url = url
         self.r = r
-        self.keys = Keys(run, shard)  # this lease's shard; run-wide keys keep the run's tag
+        self.keys = Keys(run)  # the run's; this lease's shard once the run's config is read
+        self.shard = shard
         self.run_name = run
         self.consumer = consumer
         self.seconds = seconds
@@ -284,7 +286,11 @@ class _RolloutLease:
         if cfg is None:
             log.info("no config for run yet; lease ends", run=self.run_name)
             return self.counts
-        self.config = cfg
+        keys = keys_of_shard(self.run_name, self.shard, cfg.streams.shards)
+        if keys is None:
+            log.info(NO_SUCH_SHARD, shard=self.shard, shards=cfg.streams.shards)
+            return self.counts
+        self.keys, self.config = keys, cfg
         self.envs = {cfg.env: make_env(cfg.env, **cfg.env_options)}
         self.policy = make_policy(
             cfg.policy,

@@ -18,6 +18,7 @@ import structlog
 
 from streamrl import schema
 from streamrl.bus.keys import Keys
+from streamrl.bus.shards import NO_SUCH_SHARD, keys_of_shard
 from streamrl.bus.streams import (
     Entry,
     Scripts,
@@ -100,7 +101,8 @@ class _VerifyLease:
     ):
         self.r = r
         self.control = control  # rq's Redis, when the run's data lives elsewhere
-        self.keys = Keys(run, shard)  # this lease's shard; run-wide keys keep the run's tag
+        self.keys = Keys(run)  # the run's; this lease's shard once the run's config is read
+        self.shard = shard
         self.run_name = run
         self.consumer = consumer
         self.seconds = seconds
@@ -241,7 +243,11 @@ class _VerifyLease:
         cfg = self._wait_config(started + (self.seconds or 30.0))
         if cfg is None:
             return self.counts
-        self.config = cfg
+        keys = keys_of_shard(self.run_name, self.shard, cfg.streams.shards)
+        if keys is None:
+            log.info(NO_SUCH_SHARD, shard=self.shard, shards=cfg.streams.shards)
+            return self.counts
+        self.keys, self.config = keys, cfg
         leases.top_up_if_work(
             self.r,
             VERIFY_QUEUE,

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import redis
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from streamrl.bus.keys import Keys, shard_keys
 from streamrl.config import RolloutConfig, RunConfig, StreamConfig, VerifyConfig
@@ -18,8 +20,6 @@ from streamrl.producer.produce import Producer
 from streamrl.schema import GROUP
 from tests.support.cli import run_cli
 
-# CRC16 puts the tags {nodes:0}, {nodes:1}, {nodes:2} in slots 13201, 9136 and 5075, one in
-# each third of the slot space that `redis-cli --cluster create` gives each of three masters
 RUN = "nodes"
 SHARDS = 3
 
@@ -31,8 +31,24 @@ def _slot(r, key: str) -> int:
 def test_keys_of_one_shard_share_a_slot_and_unsharded_names_are_unchanged():
     assert shard_keys(RUN, 1) == [Keys(RUN)]  # shards = 1: today's names, no shard index
     assert Keys(RUN).tasks == "srl:{nodes}:tasks"
-    assert Keys(RUN, 2).tasks == "srl:{nodes:2}:tasks"
-    assert Keys(RUN, 2).config == Keys(RUN).config == "srl:{nodes}:config"  # run-wide keys
+    # CRC16 puts {nodes:1} in slot 9136, the middle of the second third: kept as it is;
+    # {nodes:2} (5075) is not in the last third, so shard 2 takes the first tag that is
+    assert Keys(RUN, 1, 3).tasks == "srl:{nodes:1}:tasks"
+    assert Keys(RUN, 2, 3).tasks == "srl:{nodes:2:4}:tasks"
+    assert Keys(RUN, 2, 3).config == Keys(RUN).config == "srl:{nodes}:config"  # run-wide keys
+    with pytest.raises(ValueError, match="shard 3 of a run with 3"):
+        Keys(RUN, 3, 3)
+
+
+@pytest.mark.parametrize("shards", [2, 3, 4, 5, 8, 16])
+def test_shard_tags_spread_over_the_slot_space_whatever_the_run_is_called(shards):
+    """Shard s of N hashes into the middle half of the sth Nth of the 16384 slots, so N
+    shards land on N different masters of a balanced N-master cluster, for any run name."""
+    width = REDIS_CLUSTER_HASH_SLOTS / shards
+    for run in ("nodes", "default", "exp-42", "a", "zz:top"):
+        slots = [key_slot(k.tasks.encode()) for k in shard_keys(run, shards)]
+        for s, slot in enumerate(slots):
+            assert (s + 0.25) * width <= slot < (s + 0.75) * width, (run, s, slot)
 
 
 def test_sharded_run_spreads_over_nodes_and_loses_nothing(
@@ -93,11 +109,18 @@ def test_sharded_run_spreads_over_nodes_and_loses_nothing(
     info = json.loads(shown.stdout)
     assert info["groups_completed"] == 30 and info["trajectories"] == 60
     assert [info["shards"][str(s)]["groups_completed"] for s in range(SHARDS)] == [10] * 3
+    # status names the master serving each shard, and the run's own keys
+    assert [info["shards"][str(s)]["node"] for s in range(SHARDS)] == [
+        f"127.0.0.1:{port}" for port in owners
+    ]
+    assert info["redis"]["node"] == f"127.0.0.1:{redis_cluster.node_of(Keys(RUN).config)}"
     assert info["stages"]["groups"]["length"] == 30
     assert replayed.returncode == 2 and "--shard" in replayed.stderr
 
 
-def test_cli_keeps_a_runs_shards_and_replays_per_shard(cluster_urls, subprocess_env, tmp_path):
+def test_cli_keeps_a_runs_shards_and_replays_per_shard(
+    redis_cluster, cluster_urls, subprocess_env, tmp_path
+):
     data_url, control_url = cluster_urls
     base = ["--run-dir", str(tmp_path / "rd"), "--redis", data_url]
     base += ["--control-redis", control_url, "--run", "clsh"]
@@ -108,13 +131,14 @@ def test_cli_keeps_a_runs_shards_and_replays_per_shard(cluster_urls, subprocess_
     assert more.returncode == 0 and "pushed 3 prompts" in more.stdout, more.stderr
     other = run_cli([*produce, "--count", "9", "--shards", "2"], subprocess_env)
     assert other.returncode == 1 and "has 3 shards" in other.stderr
-    r = redis.RedisCluster.from_url(data_url.replace("+cluster", ""))
-    assert [r.xlen(Keys("clsh", s).tasks) for s in range(3)] == [4, 4, 4]
+    r = redis_cluster.client()
+    clsh = shard_keys("clsh", 3)
+    assert [r.xlen(k.tasks) for k in clsh] == [4, 4, 4]
     every = run_cli([*base, "replay", "rollout", "--from", "$"], subprocess_env)
     assert every.returncode == 0 and every.stdout.count("will re-read") == 3
     one = run_cli([*base, "replay", "rollout", "--shard", "1", "--from", "1-0"], subprocess_env)
-    assert one.returncode == 0 and "{clsh:1}" in one.stdout
-    assert r.xinfo_groups(Keys("clsh", 1).tasks)[0]["last-delivered-id"] == b"1-0"
-    assert r.xinfo_groups(Keys("clsh", 0).tasks)[0]["lag"] == 0  # moved to $ before
+    assert one.returncode == 0 and "{" + clsh[1].tag + "}" in one.stdout
+    assert r.xinfo_groups(clsh[1].tasks)[0]["last-delivered-id"] == b"1-0"
+    assert r.xinfo_groups(clsh[0].tasks)[0]["lag"] == 0  # moved to $ before
     bad = run_cli([*base, "replay", "rollout", "--shard", "3"], subprocess_env)
     assert bad.returncode == 2 and "shards 0..2" in bad.stderr

@@ -88,13 +88,13 @@ def test_sharded_producer_stopped_between_shards_resumes_each_shard(r, run_name)
     with contextlib.suppress(_CrashAfter):
         first.from_env(env, 10, 2, seed=4)
     src = "env:counter:seed=4"
-    assert [int(r.get(Keys(run_name, s).producer(src))) for s in range(3)] == [8, 8, 4]
+    assert [int(r.get(Keys(run_name, s, 3).producer(src))) for s in range(3)] == [8, 8, 4]
     assert first.position(src) == 4  # shard 2 still stands at prompt 4
     res = Producer(r, run_name, shards=3, batch_samples=8).from_env(env, 10, 2, seed=4)
     assert res.position == 10
     seen = []
     for s in range(3):
-        for _, f in r.xrange(Keys(run_name, s).tasks):
+        for _, f in r.xrange(Keys(run_name, s, 3).tasks):
             task = schema.TASK.decode(f[b"p"])
             assert int(task.prompt_id.rsplit("-", 1)[1]) % 3 == s
             seen.append(task.task_id)
