@@ -9,12 +9,11 @@ after every turn, and an episode whose worker died is reclaimed by another worke
 ``claim_idle_ms`` and resumed from its last committed turn.
 
 Policy health (``streamrl.workers.policy_watch``): a lease starts by loading the newest
-announced policy version, and on every heartbeat asks the backend to look for a newer one and
-records the version it serves and its last reload error in the run's ``policy_health`` hash. A
-worker that stays more than ``max_staleness`` versions behind for longer than
-``rollout.max_policy_lag_s`` stops taking tasks, cancels its episodes (their entries stay
-pending, for other workers to reclaim), sets the run's fault and fails the lease with
-``PolicyStale``.
+announced policy version; every heartbeat asks the backend to look for a newer one and records
+the version it serves and its last reload error in the run's ``policy_health`` hash. A worker
+more than ``max_staleness`` versions behind for longer than ``rollout.max_policy_lag_s`` stops
+taking tasks, cancels its episodes (their entries stay pending, for other workers to reclaim),
+sets the run's fault and fails the lease with ``PolicyStale``.
 """
 
 from __future__ import annotations
