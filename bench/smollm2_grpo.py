@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import redis
@@ -45,6 +46,10 @@ def _eval(srl: str, cfg: Path, cwd: Path, env: dict, args, weights: Path | None)
             "--k", str(args.eval_k), "--train-prompts", str(args.count), "--json"]  # fmt: skip
     for option in args.eval_option:
         argv += ["--env-option", option]
+    if args.eval_max_turns:
+        argv += ["--max-turns", str(args.eval_max_turns)]
+    if args.eval_max_new_tokens:
+        argv += ["--max-new-tokens", str(args.eval_max_new_tokens)]
     if weights is not None:
         argv += ["--weights", str(weights)]
     t = time.monotonic()
@@ -93,9 +98,11 @@ def main(
     minutes: float = 20.0,
     eval_prompts: int = 200,
     eval_options: tuple[str, ...] = (),
+    eval_budget: tuple[int, int] = (0, 0),
 ) -> None:
     """``name``: the result files (``<name>.json``, ``<name>.png``); ``eval_options``: the
-    environment options held-out evaluation adds (``split=heldout``)."""
+    environment options held-out evaluation adds (``split=heldout``); ``eval_budget``: its
+    (max turns, max new tokens), 0 for the config's."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=minutes, help="training wall time")
     ap.add_argument("--snapshots", type=int, default=3, help="policy copies evaluated")
@@ -106,6 +113,13 @@ def main(
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
     ap.add_argument("--eval-option", action="append", default=list(eval_options),
                     metavar="KEY=VALUE", help="env option for held-out evaluation")  # fmt: skip
+    ap.add_argument("--eval-max-turns", type=int, default=eval_budget[0],
+                    help="turns per held-out episode [default: the config's]")  # fmt: skip
+    ap.add_argument("--eval-max-new-tokens", type=int, default=eval_budget[1],
+                    help="tokens per held-out turn [default: the config's]")  # fmt: skip
+    ap.add_argument("--eval-jobs", type=int, default=2, help="evaluations run at once")
+    ap.add_argument("--base-report", type=Path, default=None,
+                    help="the base model eval JSON of an earlier run")  # fmt: skip
     args = ap.parse_args()
 
     started = time.monotonic()
@@ -125,8 +139,16 @@ def main(
     logs.mkdir()
     snaps.mkdir()
 
-    print("held-out pass@1 of the base model ...", file=sys.stderr)
-    evals = [{"step": 0, "version": 0, "report": _eval(srl, cfg, work, env, args, None)}]
+    if args.base_report:  # the base model's report from an earlier run of the same evaluation
+        base = json.loads(args.base_report.read_text())
+        print(f"  eval base: pass@1 {base['pass_at_1']:.3f} (from {args.base_report})",
+              file=sys.stderr)  # fmt: skip
+    else:
+        print("held-out pass@1 of the base model ...", file=sys.stderr)
+        base = _eval(srl, cfg, work, env, args, None)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{name}_base.json").write_text(json.dumps(base, indent=1))
+    evals = [{"step": 0, "version": 0, "report": base}]
 
     procs: list[subprocess.Popen] = []
 
@@ -199,9 +221,11 @@ def main(
     train_seconds = time.monotonic() - t_train
 
     print("held-out pass@1 of the trained policy versions ...", file=sys.stderr)
-    for step, version, path in snap_versions:
-        evals.append({"step": step, "version": version,
-                      "report": _eval(srl, cfg, work, env, args, path)})  # fmt: skip
+    # one process per snapshot, --eval-jobs at a time (each eval runs on one core)
+    with ThreadPoolExecutor(max_workers=args.eval_jobs) as pool:
+        reports = pool.map(lambda snap: _eval(srl, cfg, work, env, args, snap[2]), snap_versions)
+        for (step, version, _), report in zip(snap_versions, reports, strict=True):
+            evals.append({"step": step, "version": version, "report": report})
     points = [
         {"step": e["step"], "version": e["version"], "pass_at_1": e["report"]["pass_at_1"],
          "ci": e["report"]["pass_at_1_ci"], "pass_at_k": e["report"]["pass_at_k"],
