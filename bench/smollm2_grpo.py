@@ -152,8 +152,8 @@ def main(
 
     procs: list[subprocess.Popen] = []
 
-    def start(name: str, argv: list[str]) -> subprocess.Popen:
-        out = open(logs / f"{name}.log", "wb")  # noqa: SIM115
+    def start(role: str, argv: list[str]) -> subprocess.Popen:
+        out = open(logs / f"{role}.log", "wb")  # noqa: SIM115
         p = subprocess.Popen(argv, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
                              start_new_session=True)  # fmt: skip
         procs.append(p)
@@ -169,8 +169,8 @@ def main(
             time.sleep(0.05)
         url = url_file.read_text().strip()
         env["RQ_REDIS_URL"] = url
-        for name in ("rollout", "verify"):
-            start(name, [srl, "worker", name])
+        for role in ("rollout", "verify"):
+            start(role, [srl, "worker", role])
         start("learn", [srl, "learn", "--config", str(cfg)])
         start("produce", [srl, "produce", "--config", str(cfg), "--count", str(args.count)])
         r = redis.Redis.from_url(url, decode_responses=True)
