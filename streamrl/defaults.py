@@ -154,3 +154,14 @@ NEMO_GYM_REFERENCE_FIELD = "reference_output"
 # (nemo_gym.global_config's TASK_INDEX_KEY_NAME and ROLLOUT_INDEX_KEY_NAME).
 NG_TASK_INDEX = "_ng_task_index"
 NG_ROLLOUT_INDEX = "_ng_rollout_index"
+# NeMo Gym 0.7's other row keys (rollout_collection): the environment server that ran a
+# rollout (aggregation groups by it), its type, the attempt and the attempt-qualified id.
+NG_ENVIRONMENT_SERVER = "_ng_environment_server"
+NG_RESULT_TYPE = "_ng_result_type"
+NG_ATTEMPT_INDEX = "_ng_attempt_index"
+NG_ROLLOUT_ID = "_ng_rollout_id"
+# the taskset that typed seeds name (NeMo Gym's TaskId.taskset) unless the env says another
+NEMO_GYM_TASKSET = "streamrl"
+# the dead-letter kind (and stats counter) prefix of a sample whose score its environment
+# masked (``envs.SampleMasked``): ``masked:<failure_kind>``
+MASKED = "masked:"
