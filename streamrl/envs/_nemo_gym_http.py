@@ -179,6 +179,14 @@ class ResourcesServer:
 
         return await self.retry.acall(attempt, self._give_up)
 
+    async def aget_json(self, path: str) -> Any:
+        """``GET path`` once, its JSON, or None on any failure (a probe, never retried)."""
+        try:
+            resp = await self._async_client().get(self._url(path))
+            return resp.json() if resp.status_code == 200 else None
+        except Exception:
+            return None
+
     def post(
         self, path: str, body: Any, jar: dict[str, str], parse: Any = None, tool: bool = False
     ) -> Answer:

@@ -4,12 +4,14 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
 from streamrl.defaults import NEMO_GYM_BODY_SNIPPET
 from streamrl.envs._nemo_gym_http import snippet
 from streamrl.envs.base import SampleMasked, Verdict
+from streamrl.schema import Task
 
 # the request, echoed back in every /verify answer (BaseVerifyResponse extends the request)
 _ECHOED_FIELDS = frozenset({"responses_create_params", "response"})
@@ -38,6 +40,33 @@ def resources_session_id(task_id: str, attempt: int) -> str:
     """The id streamrl gives a sample's server session: ``EpisodeId.capture_key``."""
     rollout = episode_id(task_id, attempt)["rollout_id"]
     return rollout if attempt == 0 else f"{rollout}-a{attempt}"
+
+
+def typed_seed_body(task: Task, attempt: int, taskset: str, row: dict[str, Any]) -> dict:
+    """NeMo Gym 0.7's ``ResourcesSeedSessionRequest`` for session ``attempt`` of a sample: the
+    episode (``rollout_id``: the sample, ``attempt``: its server sessions counted from 0), the
+    task (``taskset``, the prompt id: a group's samples share it) and the row as
+    ``task_data``."""
+    return {
+        **close_body(task.task_id, attempt),
+        "task_id": {"taskset": taskset, "task_id": task.prompt_id},
+        "task_data": row,
+    }
+
+
+def close_body(task_id: str, attempt: int) -> dict[str, Any]:
+    """``ResourcesCloseSessionRequest`` of session ``attempt`` of a sample."""
+    return {
+        "resources_session_id": resources_session_id(task_id, attempt),
+        "episode_id": episode_id(task_id, attempt),
+    }
+
+
+def seeds_typed(openapi: Any) -> bool:
+    """Whether a server's OpenAPI schema says its ``/seed_session`` takes the typed body."""
+    paths = openapi.get("paths") if isinstance(openapi, dict) else None
+    seed = paths.get("/seed_session") if isinstance(paths, dict) else None
+    return "ResourcesSeedSessionRequest" in json.dumps(seed or {})
 
 
 def verdict_from_answer(answer: dict[str, Any]) -> Verdict:

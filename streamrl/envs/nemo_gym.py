@@ -70,7 +70,14 @@ from streamrl.envs._nemo_gym_http import (
     snippet,
     verify_answer,
 )
-from streamrl.envs._nemo_gym_wire import episode_id, resources_session_id, verdict_from_answer
+from streamrl.envs._nemo_gym_wire import (
+    close_body,
+    episode_id,
+    resources_session_id,
+    seeds_typed,
+    typed_seed_body,
+    verdict_from_answer,
+)
 from streamrl.envs.base import (
     EnvUnavailable,
     OptionError,
@@ -113,8 +120,7 @@ class NemoGymState(ExternalState, kw_only=True, omit_defaults=True):
     seeded: bool = False
     cookies: dict[str, str] = msgspec.field(default_factory=dict)  # the session's cookie jar
     seed_response: Any = None  # what /seed_session answered
-    # how the session was seeded: "typed" (NeMo Gym 0.7's ResourcesSeedSessionRequest, the id
-    # below echoed back) or "legacy" (the row itself, as 0.4 takes it; also "" from before)
+    # the seed: "typed" (0.7's, the id below echoed back), "legacy" (the row, as 0.4), "" (old)
     protocol: str = ""
     resources_session_id: str = ""
 
@@ -238,22 +244,10 @@ class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
             resources_session_id=str(body.get("resources_session_id", "")),
         )
 
-    def typed_seed(self, task: Task, attempt: int) -> dict[str, Any]:
-        """NeMo Gym 0.7's ``ResourcesSeedSessionRequest`` for session ``attempt`` of a sample:
-        the episode (``rollout_id``: the sample, ``attempt``: its server sessions counted from
-        0), the task (``taskset`` option, the prompt id) and the row as ``task_data``."""
-        return {
-            "resources_session_id": resources_session_id(task.task_id, attempt),
-            "episode_id": episode_id(task.task_id, attempt),
-            "task_id": {"taskset": str(self.options["taskset"]), "task_id": task.prompt_id},
-            "task_data": self.row(task),
-        }
-
     def _took_typed(self, answer: Answer, body: dict[str, Any]) -> bool:
-        """Whether the server took the typed seed: it echoes ``resources_session_id``. A 422
-        (a legacy request model with required fields) or an answer without the echo (a legacy
-        model that ignored the typed fields) says it reads the legacy body; another 4xx is a
-        refusal of the request itself."""
+        """Whether the server took the typed seed (it echoes ``resources_session_id``). A 422 (a
+        legacy model with required fields) or no echo (one that ignored the typed fields): it
+        reads the legacy body. Another 4xx refuses the request itself."""
         if 400 <= answer.status < 500 and answer.status != 422:
             raise EnvUnavailable(
                 f"HTTP {answer.status} from POST /seed_session (the server refused the request; "
@@ -277,7 +271,8 @@ class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
         ``_took_typed``. A session the server made from a typed body it read as a legacy one
         is closed where it can be, and seeded again with the row."""
         if self._protocol != "legacy":
-            body = self.typed_seed(task, state.journal.attempt)
+            taskset = str(self.options["taskset"])
+            body = typed_seed_body(task, state.journal.attempt, taskset, self.row(task))
             answer = await self._server.apost("/seed_session", body, {}, seed_answer, tool=True)
             if self._took_typed(answer, body):
                 return self._seeded(state, answer, body)
@@ -287,11 +282,10 @@ class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
         answer = await self._server.apost("/seed_session", row, {}, seed_answer)
         return self._seeded(state, answer, row)
 
-    def _close_body(self, task: Task, attempt: int) -> dict[str, Any]:
-        return {
-            "resources_session_id": resources_session_id(task.task_id, attempt),
-            "episode_id": episode_id(task.task_id, attempt),
-        }
+    async def _aschema_protocol(self) -> str:
+        """Whether the server's OpenAPI schema (FastAPI serves it) says ``/seed_session`` takes
+        0.7's ``ResourcesSeedSessionRequest`` ("typed"; "" unknown): a probe with no effect."""
+        return "typed" if seeds_typed(await self._server.aget_json("/openapi.json")) else ""
 
     def _closed(self, answer: Answer) -> bool:
         if answer.status in (404, 405):  # no /close_session here (NeMo Gym 0.4)
@@ -321,17 +315,20 @@ class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
         """``POST /close_session`` as NeMo Gym 0.7 defines it (``resources_session_id``,
         ``episode_id``; idempotent), with the session's cookies. A server without it (NeMo Gym
         0.4) answers 404: the session stays open there, never to be verified."""
-        if not self._closes:
-            return False
-        return await self._aclose(self._close_body(task, state.journal.attempt), state.cookies)
+        body = close_body(task.task_id, state.journal.attempt)
+        return self._closes and await self._aclose(body, state.cookies)
 
     async def aclose_unconfirmed(self, task: Task, state: NemoGymState) -> bool:
         """A typed seed named its session: it is closed by that id (no cookie; a 0.7 server
-        keeps a late seed of a closed id from making it again). Not for a legacy server."""
-        if self._protocol == "legacy" or not self._closes:
+        keeps a late seed of a closed id from making it again). Only for a server known to
+        take typed seeds: a close by an id that a legacy seed never bound would close nothing
+        and answer 200."""
+        if not self._protocol:  # no seed answered in this process yet: ask the schema
+            self._protocol = await self._aschema_protocol()
+        if self._protocol != "typed" or not self._closes:
             return False
         try:
-            return await self._aclose(self._close_body(task, state.journal.attempt), {})
+            return await self._aclose(close_body(task.task_id, state.journal.attempt), {})
         except EnvUnavailable as e:
             log.warning("closing an unconfirmed session failed", task_id=task.task_id, error=str(e))
             return False
@@ -373,7 +370,7 @@ class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
             return
         try:
             answer = self._server.post(
-                "/close_session", self._close_body(task, state.journal.attempt), state.cookies,
+                "/close_session", close_body(task.task_id, state.journal.attempt), state.cookies,
                 tool=True,
             )  # fmt: skip
             self._closed(answer)

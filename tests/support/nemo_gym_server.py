@@ -277,7 +277,9 @@ class CounterResourcesServer:
         # added last, so it runs first: the session exists when add_session_id runs
         app.add_middleware(SessionMiddleware, secret_key=self.secret, session_cookie="session")
 
-        app.post("/seed_session")(self.seed_session)
+        app.post("/seed_session")(
+            self.seed_session if self.protocol == "typed" else self.seed_legacy
+        )
         app.post("/increment_counter")(self.increment_counter)
         app.post("/get_counter_value")(self.get_counter_value)
         app.post("/kv_set")(self.kv_set)
@@ -289,9 +291,17 @@ class CounterResourcesServer:
         app.get("/_sessions")(self.list_sessions)
         return app
 
-    async def seed_session(self, request: Request, raw: dict[str, Any]) -> dict[str, Any]:
-        if self.protocol == "typed" and "episode_id" in raw:
-            typed = ResourcesSeedSessionRequest.model_validate(raw)
+    async def seed_legacy(self, request: Request, raw: CounterSeedSessionRequest) -> Any:
+        """The row (a typed body is read as one, its fields ignored, as 0.4's models do)."""
+        return (await self._seed(request, raw)).model_dump()
+
+    async def seed_session(
+        self, request: Request, raw: ResourcesSeedSessionRequest | CounterSeedSessionRequest
+    ) -> dict[str, Any]:
+        """The typed seed or the legacy row (the union is what 0.7's servers declare, so their
+        OpenAPI schema names the typed one)."""
+        if isinstance(raw, ResourcesSeedSessionRequest):
+            typed = raw
             sid = typed.resources_session_id
             known = self.sessions.get(sid)
             if known is not None and known.closed:
@@ -303,8 +313,7 @@ class CounterResourcesServer:
             await self._seed(request, body)
             self.sessions[sid].episode_id = typed.episode_id.model_dump()
             return {"resources_session_id": sid}
-        body = CounterSeedSessionRequest.model_validate(raw)
-        return (await self._seed(request, body)).model_dump()
+        return (await self._seed(request, raw)).model_dump()
 
     async def _seed(
         self, request: Request, body: CounterSeedSessionRequest
