@@ -160,6 +160,10 @@ NG_ENVIRONMENT_SERVER = "_ng_environment_server"
 NG_RESULT_TYPE = "_ng_result_type"
 NG_ATTEMPT_INDEX = "_ng_attempt_index"
 NG_ROLLOUT_ID = "_ng_rollout_id"
+# what ``streamrl export --format nemo-gym`` stamps on rows that name no server of their own,
+# and its result type: a /verify answer, as the ``legacy_agent`` environment server writes
+NG_EXPORT_SERVER = "streamrl"
+NG_RESULT_TYPE_VERIFY = "legacy_agent"
 # the taskset that typed seeds name (NeMo Gym's TaskId.taskset) unless the env says another
 NEMO_GYM_TASKSET = "streamrl"
 # the dead-letter kind (and stats counter) prefix of a sample whose score its environment
