@@ -9,8 +9,8 @@ import re
 from typing import Any
 
 from streamrl.defaults import NEMO_GYM_BODY_SNIPPET
-from streamrl.envs._nemo_gym_http import snippet
-from streamrl.envs.base import SampleMasked, Verdict
+from streamrl.envs._nemo_gym_http import Answer, snippet
+from streamrl.envs.base import EnvUnavailable, SampleMasked, Verdict
 from streamrl.schema import Task
 
 # the request, echoed back in every /verify answer (BaseVerifyResponse extends the request)
@@ -67,6 +67,28 @@ def seeds_typed(openapi: Any) -> bool:
     paths = openapi.get("paths") if isinstance(openapi, dict) else None
     seed = paths.get("/seed_session") if isinstance(paths, dict) else None
     return "ResourcesSeedSessionRequest" in json.dumps(seed or {})
+
+
+def took_typed(answer: Answer, body: dict[str, Any], known_typed: bool) -> bool:
+    """Whether a server took the typed seed ``body`` (it echoes ``resources_session_id``). A
+    422 (a legacy model with required fields) or no echo (one that ignored the typed fields):
+    it reads the legacy body. Another 4xx refuses the request itself; no echo from a server
+    ``known_typed`` is a failure too."""
+    if 400 <= answer.status < 500 and answer.status != 422:
+        raise EnvUnavailable(
+            f"HTTP {answer.status} from POST /seed_session (the server refused the request; "
+            f"not retried): {snippet(answer.body)}"
+        )
+    parsed = answer.parsed if answer.status < 400 else None
+    took = isinstance(parsed, dict) and (
+        parsed.get("resources_session_id") == body["resources_session_id"]
+    )
+    if not took and known_typed:
+        raise EnvUnavailable(
+            "/seed_session answered a typed seed without echoing its resources_session_id, "
+            f"though this server took typed seeds before: {snippet(answer.body)}"
+        )
+    return took
 
 
 def verdict_from_answer(answer: dict[str, Any]) -> Verdict:

@@ -52,6 +52,7 @@ instead of replaying it).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import time
@@ -67,7 +68,6 @@ from streamrl.envs._nemo_gym_http import (
     ResourcesServer,
     merge_cookies,
     seed_answer,
-    snippet,
     verify_answer,
 )
 from streamrl.envs._nemo_gym_wire import (
@@ -75,6 +75,7 @@ from streamrl.envs._nemo_gym_wire import (
     episode_id,
     resources_session_id,
     seeds_typed,
+    took_typed,
     typed_seed_body,
     verdict_from_answer,
 )
@@ -169,6 +170,7 @@ class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
         # whether it has /close_session (a 0.4 server answers 404: not asked again)
         self._protocol = ""
         self._closes = True
+        self._lock: tuple[Any, asyncio.Lock] | None = None  # (its event loop, the lock)
         self.replay = bool(o["replay"])
         self.recoveries = int(o["retries"])
 
@@ -244,37 +246,28 @@ class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
             resources_session_id=str(body.get("resources_session_id", "")),
         )
 
-    def _took_typed(self, answer: Answer, body: dict[str, Any]) -> bool:
-        """Whether the server took the typed seed (it echoes ``resources_session_id``). A 422 (a
-        legacy model with required fields) or no echo (one that ignored the typed fields): it
-        reads the legacy body. Another 4xx refuses the request itself."""
-        if 400 <= answer.status < 500 and answer.status != 422:
-            raise EnvUnavailable(
-                f"HTTP {answer.status} from POST /seed_session (the server refused the request; "
-                f"not retried): {snippet(answer.body)}"
-            )
-        parsed = answer.parsed if answer.status < 400 else None
-        took = isinstance(parsed, dict) and (
-            parsed.get("resources_session_id") == body["resources_session_id"]
-        )
-        if not took and self._protocol == "typed":
-            raise EnvUnavailable(
-                "/seed_session answered a typed seed without echoing its resources_session_id, "
-                f"though this server took typed seeds before: {snippet(answer.body)}"
-            )
-        self._protocol = "typed" if took else "legacy"
-        return took
-
     async def aopen(self, task: Task, state: NemoGymState) -> NemoGymState:
         """``POST /seed_session`` with no cookie: a new server session, seeded with the typed
         body (NeMo Gym 0.7) unless the server showed it reads only the row (0.4): see
-        ``_took_typed``. A session the server made from a typed body it read as a legacy one
+        ``took_typed``. A session the server made from a typed body it read as a legacy one
         is closed where it can be, and seeded again with the row."""
+        if not self._protocol:  # one seed finds it while the episodes of this loop wait
+            loop = asyncio.get_running_loop()
+            if self._lock is None or self._lock[0] is not loop:
+                self._lock = (loop, asyncio.Lock())
+            async with self._lock[1]:
+                if not self._protocol:
+                    return await self._aseed(task, state)
+        return await self._aseed(task, state)
+
+    async def _aseed(self, task: Task, state: NemoGymState) -> NemoGymState:
         if self._protocol != "legacy":
             taskset = str(self.options["taskset"])
             body = typed_seed_body(task, state.journal.attempt, taskset, self.row(task))
             answer = await self._server.apost("/seed_session", body, {}, seed_answer, tool=True)
-            if self._took_typed(answer, body):
+            took = took_typed(answer, body, self._protocol == "typed")
+            self._protocol = "typed" if took else "legacy"
+            if took:
                 return self._seeded(state, answer, body)
             if answer.status < 400 and self._closes:
                 await self._aclose(body, answer.cookies)
