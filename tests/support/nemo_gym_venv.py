@@ -23,7 +23,6 @@ import glob
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,5 +117,13 @@ def nemo_gym_python(version: str, say=print) -> str:
     return str(venv_python(version))
 
 
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Make (once) a venv with a nemo-gym release.")
+    ap.add_argument("version", nargs="?", default="0.7.0", choices=sorted(RELEASES))
+    print(nemo_gym_python(ap.parse_args().version, say=lambda m: None))
+
+
 if __name__ == "__main__":
-    print(nemo_gym_python(sys.argv[1] if len(sys.argv) > 1 else "0.7.0", say=lambda m: None))
+    main()
