@@ -20,7 +20,9 @@ Per release:
 2. ``shipped``: the release's own ``example_session_state_mgmt`` (a legacy seed with a required
    field: 0.7 answers the typed seed 422) and ``example_single_tool_call`` (0.7: typed seeds and
    ``/close_session``) with the rows of their own ``data/example.jsonl``.
-3. ``judge`` (0.7.0): a judged task whose judge is unreachable for some rows: the server's own
+3. ``tokens`` (0.7.0): exported rows whose turns carry token ids and log-probs validate as
+   0.7's ``...ForTraining`` items; a partial set (which streamrl never writes) is refused.
+   ``judge`` (0.7.0): a judged task whose judge is unreachable for some rows: the server's own
    ``judge_failsafe`` masks them (``reward 0.0``, ``mask_sample``, ``failure_kind:
    judge_failed``); streamrl dead-letters them by kind and scores the others with their
    ``reward_components``.
@@ -72,6 +74,21 @@ for line in open(sys.argv[1]):
     NeMoGymResponse.model_validate(row["response"])
     n += 1
 print(n)
+"""
+
+
+TOKENS = """
+import json, sys
+from nemo_gym.openai_utils import NeMoGymResponse
+out = []
+for line in open(sys.argv[1]):
+    row = json.loads(line)
+    try:
+        items = NeMoGymResponse.model_validate(row["response"]).output
+        out.append([type(i).__name__ for i in items])
+    except Exception as e:
+        out.append("refused: " + str(e).splitlines()[0][:200])
+print(json.dumps(out))
 """
 
 
@@ -343,6 +360,50 @@ def shipped_part(python: str, tmp: Path) -> dict:
     return out
 
 
+def tokens_part(python: str, tmp: Path) -> dict:
+    """Rows whose turns carry token ids and log-probs (as the hf and openai backends record
+    them), exported by streamrl, through 0.7's ``NeMoGymResponse``: the items that carry them
+    must validate as its ``...ForTraining`` types; a row with one turn short of log-probs is
+    exported without tokens, and the same row with the partial set written anyway is refused."""
+    from streamrl.ops.export import _Indices, _nemo_gym_row
+
+    prompt = [schema.Message(role="user", content="add 2")]
+    call = schema.FunctionCall(call_id="c1", name="add", arguments='{"n": 2}')
+    out = schema.FunctionCallOutput(call_id="c1", output="2")
+    answer = schema.Message(role="assistant", content="2")
+
+    def row(logprobs: list[float]) -> dict:
+        turns = [
+            schema.ModelTurn(index=0, items=[call], prompt_token_ids=[1, 2], token_ids=[3, 4],
+                             logprobs=[-0.1, -0.2]),
+            schema.ModelTurn(index=1, items=[answer], prompt_token_ids=[1, 2, 3, 4, 5],
+                             token_ids=[6], logprobs=logprobs),
+        ]  # fmt: skip
+        traj = schema.Trajectory(
+            task_id="p:0", prompt_id="p", k=0, group_size=1, env="nemo-gym",
+            items=[*prompt, call, out, answer], n_input=1, turns=turns, status="completed",
+        )  # fmt: skip
+        score = schema.Score(task_id="p:0", prompt_id="p", k=0, reward=1.0)
+        return _nemo_gym_row(schema.Sample(score=score, trajectory=traj), _Indices(), "streamrl")
+
+    complete, short = row([-0.3]), row([])
+    partial = json.loads(json.dumps(complete))
+    del partial["response"]["output"][-1]["generation_log_probs"]
+    path = write_rows(tmp / "tokens.jsonl", [complete, short, partial])
+    res = subprocess.run([python, "-c", TOKENS, str(path)], capture_output=True, text=True)
+    got = json.loads(res.stdout) if res.returncode == 0 else res.stderr[-2000:]
+    ok = (
+        isinstance(got, list)
+        and got[0] == ["NeMoGymResponseFunctionToolCallForTraining", "NeMoGymFunctionCallOutput",
+                       "NeMoGymResponseOutputMessageForTraining"]
+        and not any("ForTraining" in t for t in got[1])
+        and isinstance(got[2], str) and got[2].startswith("refused")
+    )  # fmt: skip
+    return {"ok": ok, "complete": got[0] if isinstance(got, list) else got,
+            "without": got[1] if isinstance(got, list) else None,
+            "partial_written_anyway": got[2] if isinstance(got, list) else None}  # fmt: skip
+
+
 def judge_part(python: str, tmp: Path, prompts: int) -> dict:
     """Rows whose judge answers, and rows whose judge is a closed port."""
     server = Server(python, "judge", tmp / "judge.log")
@@ -445,6 +506,7 @@ def main() -> None:
             if version != "0.4.0":
                 say(f"nemo-gym {version}: a judge that fails")
                 got["judge"] = judge_part(python, part, 4)
+                got["tokens"] = tokens_part(python, part)
             if args.train_steps > 0:
                 say(f"nemo-gym {version}: training {args.train_steps} learner steps")
                 got["copy_training"] = copy_part(python, part, args.train_steps, args.seconds)

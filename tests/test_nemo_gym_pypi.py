@@ -65,6 +65,10 @@ def test_both_nemo_gym_releases(subprocess_env):
     assert judge["status_masked"] == {"judge_failed": 4} and judge["scored"] == 4, judge
     assert judge["reward_components"] == {"format": 1.0, "correct": 1.0}, judge
 
+    tokens = new["tokens"]  # complete token sets validate as 0.7's training items
+    assert tokens["ok"] and tokens["complete"][0].endswith("ForTraining"), tokens
+    assert tokens["partial_written_anyway"].startswith("refused"), tokens
+
     c = old["counter"]
     assert c["ok"], c
     assert c["seed_protocol"] == ["legacy"] and c["server_sessions_closed"] == 0, c
