@@ -6,6 +6,7 @@ of ``streamrl.envs._failpoints`` (figures and their meaning: tests/support/nemo_
 
     python bench/nemo_gym_kills.py [--prompts 40] [--faults after_open:1,after_tool_send:3]
                                    [--p 1.0] [--seed 0] [--rollout-workers 1]
+                                   [--protocol typed|legacy|mixed]
 
 Prints one JSON object per run."""
 
@@ -24,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from streamrl.local.embedded import EmbeddedRedis  # noqa: E402
 from tests.support.nemo_gym import resources_server  # noqa: E402
 from tests.support.nemo_gym_kills import kill_run  # noqa: E402
+from tests.support.nemo_gym_server import PROTOCOLS  # noqa: E402
 
 
 def main() -> None:
@@ -33,6 +35,9 @@ def main() -> None:
     ap.add_argument("--p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rollout-workers", type=int, default=1)
+    ap.add_argument("--protocol", choices=PROTOCOLS, default="typed",
+                    help="the server's seeds: typed (NeMo Gym 0.7), legacy (0.4: no "
+                    "/close_session) or mixed (legacy seeds, /close_session)")  # fmt: skip
     args = ap.parse_args()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
@@ -41,13 +46,13 @@ def main() -> None:
         redis = EmbeddedRedis(tmp_path / "redis")
         url = redis.start().url
         try:
-            with resources_server(tmp_path / "server") as server_url:
+            with resources_server(tmp_path / "server", args.protocol) as server_url:
                 report = kill_run(url, server_url, tmp_path, env, prompts=args.prompts,
                                   faults=args.faults, p=args.p, seed=args.seed,
                                   rollout_workers=args.rollout_workers)  # fmt: skip
         finally:
             redis.stop()
-    print(json.dumps(report, indent=2))
+    print(json.dumps({"protocol": args.protocol, **report}, indent=2))
 
 
 if __name__ == "__main__":

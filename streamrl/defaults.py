@@ -154,3 +154,18 @@ NEMO_GYM_REFERENCE_FIELD = "reference_output"
 # (nemo_gym.global_config's TASK_INDEX_KEY_NAME and ROLLOUT_INDEX_KEY_NAME).
 NG_TASK_INDEX = "_ng_task_index"
 NG_ROLLOUT_INDEX = "_ng_rollout_index"
+# NeMo Gym 0.7's other row keys (rollout_collection): the environment server that ran a
+# rollout (aggregation groups by it), its type, the attempt and the attempt-qualified id.
+NG_ENVIRONMENT_SERVER = "_ng_environment_server"
+NG_RESULT_TYPE = "_ng_result_type"
+NG_ATTEMPT_INDEX = "_ng_attempt_index"
+NG_ROLLOUT_ID = "_ng_rollout_id"
+# what ``streamrl export --format nemo-gym`` stamps on rows that name no server of their own,
+# and its result type: a /verify answer, as the ``legacy_agent`` environment server writes
+NG_EXPORT_SERVER = "streamrl"
+NG_RESULT_TYPE_VERIFY = "legacy_agent"
+# the taskset that typed seeds name (NeMo Gym's TaskId.taskset) unless the env says another
+NEMO_GYM_TASKSET = "streamrl"
+# the dead-letter kind (and stats counter) prefix of a sample whose score its environment
+# masked (``envs.SampleMasked``): ``masked:<failure_kind>``
+MASKED = "masked:"

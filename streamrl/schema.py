@@ -177,6 +177,9 @@ class Score(_Base, kw_only=True):
     verifier: str = ""
     verifier_version: str = ""
     failure: str | None = None
+    # the environment's name for the failure, as the dead letter's ``kind``:
+    # ``masked:<failure_kind>`` for a sample it masked (NeMo Gym's ``mask_sample``)
+    failure_kind: str = ""
     rollout_id: str = ""
     policy_versions: list[int] = msgspec.field(default_factory=list)
     worker: str = ""
@@ -252,6 +255,9 @@ class DeadLetter(_Base, kw_only=True):
     task_id: str = ""
     payload: bytes = b""
     at: float = 0.0
+    # the environment's name for the failure: ``masked:<failure_kind>`` for a sample whose
+    # score the environment masked (NeMo Gym's ``mask_sample``); "" for the others
+    kind: str = ""
 
 
 # ---------------------------------------------------------------- codecs, built once per type

@@ -84,7 +84,7 @@ def heartbeat_args(group: str, consumer: str, held: Sequence[Entry]) -> list[Any
     return args
 
 
-def dead_letter(entry: Entry, stage: str, reason: str) -> bytes:
+def dead_letter(entry: Entry, stage: str, reason: str, kind: str = "") -> bytes:
     """The encoded DeadLetter for an entry leaving ``stage`` for good, payload included."""
     return schema.encode(
         schema.DeadLetter(
@@ -95,6 +95,7 @@ def dead_letter(entry: Entry, stage: str, reason: str) -> bytes:
             task_id=entry.task_id,
             payload=entry.payload,
             at=time.time(),
+            kind=kind,
         )
     )
 

@@ -147,6 +147,12 @@ def reverify(
     help="dpo: chosen must out-score rejected by more than this.",
 )
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many rows.")
+@click.option(
+    "--nemo-gym-server",
+    default=d.NG_EXPORT_SERVER,
+    show_default=True,
+    help="nemo-gym: the _ng_environment_server (and agent_ref) of rows that name none.",
+)
 @pass_ctx
 def export(
     c: Ctx,
@@ -159,6 +165,7 @@ def export(
     max_policy_version: int | None,
     min_margin: float,
     limit: int | None,
+    nemo_gym_server: str,
 ) -> None:
     """Write the run's scored groups as JSON lines for NeMo Gym, TRL's SFTTrainer or DPOTrainer
     (a summary goes to stderr)."""
@@ -172,7 +179,7 @@ def export(
         max_version=max_policy_version,
         min_margin=min_margin,
     )
-    rows, res = export_rows(c.client(), c.run, fmt, flt, limit)
+    rows, res = export_rows(c.client(), c.run, fmt, flt, limit, nemo_gym_server)
     out = click.open_file(output, "w", encoding="utf-8", atomic=output != "-")
     with out:
         for row in rows:

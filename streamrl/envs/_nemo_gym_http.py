@@ -156,7 +156,8 @@ class ResourcesServer:
         tool: bool = False,
         idempotent: bool = True,
     ) -> Answer:
-        """``POST path``, retried; ``tool``: a 4xx is the tool's (error) output. Not
+        """``POST path``, retried; ``tool``: a 4xx is an answer (a tool's error output, a
+        refusal the caller reads), not an ``EnvUnavailable``. Not
         ``idempotent`` (a tool call): a transport failure after the request may have reached
         the server is ``CallUnconfirmed``, never a retry; one before it (no connection) is
         retried."""
@@ -178,7 +179,17 @@ class ResourcesServer:
 
         return await self.retry.acall(attempt, self._give_up)
 
-    def post(self, path: str, body: Any, jar: dict[str, str], parse: Any = None) -> Answer:
+    async def aget_json(self, path: str) -> Any:
+        """``GET path`` once, its JSON, or None on any failure (a probe, never retried)."""
+        try:
+            resp = await self._async_client().get(self._url(path))
+            return resp.json() if resp.status_code == 200 else None
+        except Exception:
+            return None
+
+    def post(
+        self, path: str, body: Any, jar: dict[str, str], parse: Any = None, tool: bool = False
+    ) -> Answer:
         """``apost`` for a caller without an event loop (``verify``)."""
         transport_error = httpx_api().TransportError
         client = self._sync_client()
@@ -188,7 +199,7 @@ class ResourcesServer:
                 resp = client.post(self._url(path), json=body, headers=_cookie_header(jar))
             except transport_error as e:
                 raise Retryable(self._failure(path, e)) from e
-            return self._answer(path, resp, jar, parse, tool=False)
+            return self._answer(path, resp, jar, parse, tool)
 
         return self.retry.call(attempt, self._give_up)
 

@@ -53,6 +53,17 @@ class EnvUnavailable(Exception):
     with this message, a verifier's failure is dead-lettered with it; it is never a reward."""
 
 
+class SampleMasked(EnvUnavailable):
+    """The environment scored the sample and said the score is not a valid measurement (NeMo
+    Gym's ``mask_sample: true``: a judge that failed, a lost sandbox). Dead-lettered at once as
+    an environment failure, counted by ``kind``; never a reward, never retried."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(f"the environment masked the sample ({kind}): {reason}")
+        self.kind = kind
+        self.reason = reason
+
+
 class OptionError(ValueError):
     """An environment option that the environment does not have, or a value it cannot take."""
 

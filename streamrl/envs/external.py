@@ -17,9 +17,10 @@ every request that may change the server before it is sent:
 A resumed episode (another worker took it over) reads the journal before anything else
 (``aready``):
 
-- an open not confirmed: its answer was lost with the worker, so that session, if the server
-  made one, cannot be found (counted in ``lost``; a protocol whose open takes a caller-chosen
-  id would let it be closed); a fresh session is opened;
+- an open not confirmed: its answer was lost with the worker. Where the open named the session
+  by an id the caller chose (NeMo Gym 0.7's typed seed), it is closed by that id
+  (``aclose_unconfirmed``, counted in ``closed``); otherwise that session, if the server made
+  one, cannot be found (counted in ``lost``). A fresh session is opened (``attempt`` + 1);
 - a call sent but not confirmed: it may or may not have been applied, and there is no asking
   the server which. It is never sent again in that session: the session is closed where the
   protocol allows (``closed``/``unclosed``), a fresh one is opened (``attempt`` + 1) and the
@@ -154,6 +155,12 @@ class ExternalSessionEnv(Environment[S]):
         """Close the open session (idempotent); False when the server cannot close one."""
         return False
 
+    async def aclose_unconfirmed(self, task: Task, state: S) -> bool:
+        """Close session ``state.journal.attempt``, whose open was sent and never confirmed, by
+        the id the caller gave it (a protocol whose open takes one); False when there is none
+        (never raises: it is then counted as ``lost``)."""
+        return False
+
     # ---------------------------------------------------------------- without a journal
     async def areset(self, task: Task) -> S:
         """An unopened state: the episode loop opens the session under the journal."""
@@ -174,12 +181,15 @@ class ExternalSessionEnv(Environment[S]):
         if j.phase == "new":
             return await self._open(task, state, save)
         if j.phase == "opening":
-            log.warning(
-                "a session open was not confirmed: that session cannot be found",
-                task_id=task.task_id,
-                attempt=j.attempt,
-            )
-            state = _j(state, lost=j.lost + 1, attempt=j.attempt + 1)
+            if await self.aclose_unconfirmed(task, state):
+                state = _j(state, closed=j.closed + 1, attempt=j.attempt + 1)
+            else:
+                log.warning(
+                    "a session open was not confirmed: that session cannot be found",
+                    task_id=task.task_id,
+                    attempt=j.attempt,
+                )
+                state = _j(state, lost=j.lost + 1, attempt=j.attempt + 1)
             return await self._replay(task, state, done, save, fresh=True)
         if j.sending is not None:
             why = f"call {j.sending} was sent and not confirmed"

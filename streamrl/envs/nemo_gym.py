@@ -1,75 +1,83 @@
 """``nemo-gym``: any NeMo Gym *resources server* as a streamrl environment.
 
 A resources server is an HTTP service: ``POST /seed_session`` starts a rollout's state,
-``POST /<tool_name>`` runs one tool, ``POST /verify`` scores the finished rollout, and the
-rollout's state lives behind a signed session cookie (Starlette's ``SessionMiddleware``; the
-cookie carries a session id, the server keeps the state). This environment speaks that protocol
-the way NeMo Gym's own ``simple_agent`` does:
+``POST /<tool_name>`` runs one tool, ``POST /verify`` scores the finished rollout, and (NeMo Gym
+0.7) ``POST /close_session`` ends it; the rollout's state lives behind a signed session cookie.
+This environment drives it the way NeMo Gym's own agents do, the rollout worker being the agent:
 
 - tasks are NeMo Gym rows (``streamrl produce --dataset rows.jsonl --env nemo-gym``); the model
   sees the row's ``responses_create_params.tools``;
-- ``/seed_session`` gets the row (``responses_create_params`` and every other field) before the
-  first model turn; each tool call is ``POST /<name>`` with the call's JSON arguments, and the
-  response body, as text, is the tool's output; ``/verify`` gets the row plus ``response``, an
-  OpenAI ``Response`` whose ``output`` holds the whole episode after the input;
-- the cookie jar is part of the episode's state Struct, checkpointed to Redis with the session:
-  a rollout worker that dies is replaced by another that resumes with the same cookies. The
-  state's journal (``streamrl.envs.external``) checkpoints the seed before the first model turn
-  and each tool call before it is sent and after its answer, so a call is never sent twice in
-  one session: one whose answer died with a worker (or was lost to a read timeout) costs a
-  fresh session into which the confirmed calls are replayed, or, where a replay answers
-  differently (or ``replay`` is off), a dead letter. A session given up on is closed with NeMo
-  Gym 0.7's ``POST /close_session`` (a 0.4 server answers 404: it stays open, never verified).
+- the session is seeded before the first model turn. Both protocols, found on the first seed,
+  not configured: the typed body of 0.7 (``resources_session_id``, ``episode_id: {rollout_id,
+  attempt}``, ``task_id: {taskset, task_id}``, the row as ``task_data``), which a 0.7 server
+  echoes; a server that answers it 422 or without the echo reads the legacy body (the row,
+  NeMo Gym 0.4) and gets that from then on. ``attempt`` counts the sample's server sessions
+  (``Journal.attempt``): a session redone after a worker kill is the next attempt, never a
+  silent second session under the same id;
+- each tool call is ``POST /<name>`` with the call's JSON arguments, and the response body, as
+  text, is the tool's output; ``/verify`` gets the row plus ``response``, an OpenAI
+  ``Response`` whose ``output`` holds the whole episode after the input; then the session is
+  closed. A 0.4 server answers ``/close_session`` 404: it is not asked again;
+- the cookie jar is part of the episode's state, checkpointed with the session, under the
+  write-ahead journal of ``streamrl.envs.external``: a call is never sent twice in one session
+  (one whose answer died with a worker costs a fresh session into which the confirmed calls
+  are replayed, or a dead letter), and every session an attempt abandons is closed, the one
+  whose seed answer was lost by its id (typed seeds only).
 
 Failures. Connection errors, timeouts, 408/425/429/5xx and malformed answers (``/seed_session``
 or ``/verify`` not a JSON object, a missing or non-finite ``reward``) are retried ``retries``
 times with exponential backoff (a tool call's timeout or broken connection after sending is
-not: see above), then raise ``EnvUnavailable`` with the HTTP status and a
-snippet of the body: the rollout worker dead-letters the task, the verifier worker retries and
-dead-letters the sample. Never a reward of 0. A 4xx answer to a tool call is the model's
-mistake (an unknown argument, a bad value): its body goes back to the model as the tool's
-output, as NeMo Gym's agent does. A 4xx from ``/seed_session`` or ``/verify`` means the request
-itself is wrong for this server: no retry, a failure with the server's message. A ``/verify``
-answer with ``mask_sample: true`` (NeMo Gym's way of saying its reward is not a valid
-measurement, e.g. a judge was down) is a failure too. (The HTTP client is
-``_nemo_gym_http``; its retries are ``streamrl.http.RetryPolicy``.)
+not: see above), then raise ``EnvUnavailable`` with the HTTP status and a snippet of the body:
+the rollout worker dead-letters the task, the verifier worker retries and dead-letters the
+sample. Never a reward of 0. A 4xx answer to a tool call is the model's mistake: its body goes
+back to the model as the tool's output, as NeMo Gym's agent does. Another 4xx from
+``/seed_session`` or ``/verify`` is a failure with the server's message, not retried. A
+``/verify`` answer with ``mask_sample: true`` (a judge that failed answers ``reward 0.0`` and
+the mask) is ``SampleMasked``: dead-lettered at once with its ``failure_kind`` and reason.
 
-The Score keeps the whole ``/verify`` answer in ``info`` except ``responses_create_params`` and
-``response``, which are the request echoed back (``BaseVerifyResponse`` extends the request) and
-are rebuilt from the trajectory by ``streamrl export --format nemo-gym``. Numeric top-level
-fields and ``reward_components`` also go to ``components``, string ones to ``details``.
-
-The scripted policy (tests, benchmarks) replays a row's ``reference_output``: Responses output
-items whose model-side items (calls, messages) it emits one per turn; this field is never sent
-to the server.
+The Score keeps the whole ``/verify`` answer in ``info`` (``reward_components`` included) except
+the request it echoes (``responses_create_params``, ``response``), which ``streamrl export
+--format nemo-gym`` rebuilds. Numeric fields and each ``reward_components`` entry also go to
+``components``, string ones to ``details``. The scripted policy (tests, benchmarks) replays a
+row's ``reference_output`` (Responses output items), a field never sent to the server.
 
 Options: ``base_url`` (required), ``timeout_s`` (30), ``connect_timeout_s`` (5), ``retries``
 (3), ``backoff_s`` (0.2), ``backoff_max_s`` (5), ``max_connections`` (256), ``model`` (the
 model name written into the ``Response`` sent to ``/verify``), ``verifier_version`` (bump it when
-the server's scoring changes, so ``streamrl reverify`` reports the drift), ``rows`` (a NeMo
-Gym JSONL file that the generator cycles through, for ``produce --count`` and config runs),
-``replay`` (true; false drops a sample whose call was not confirmed instead of replaying it).
+the server's scoring changes, so ``streamrl reverify`` reports the drift), ``taskset`` (the
+typed seed's ``task_id.taskset``, "streamrl"), ``rows`` (a NeMo Gym JSONL file that the
+generator cycles through), ``replay`` (true; false drops a sample whose call was not confirmed
+instead of replaying it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
-import re
 import time
 import urllib.parse
 from typing import Annotated, Any
 
 import msgspec
+import structlog
 
-from streamrl.defaults import NEMO_GYM_BODY_SNIPPET, NEMO_GYM_REFERENCE_FIELD
+from streamrl.defaults import NEMO_GYM_REFERENCE_FIELD, NEMO_GYM_TASKSET
 from streamrl.envs._nemo_gym_http import (
     Answer,
     ResourcesServer,
     merge_cookies,
     seed_answer,
-    snippet,
     verify_answer,
+)
+from streamrl.envs._nemo_gym_wire import (
+    close_body,
+    episode_id,
+    resources_session_id,
+    seeds_typed,
+    took_typed,
+    typed_seed_body,
+    verdict_from_answer,
 )
 from streamrl.envs.base import (
     EnvUnavailable,
@@ -100,10 +108,10 @@ __all__ = [
     "verdict_from_answer",
 ]
 
+log = structlog.get_logger("streamrl.envs.nemo_gym")
+
 # row fields that are streamrl's own and never reach the server
 _PRIVATE_FIELDS = frozenset({NEMO_GYM_REFERENCE_FIELD})
-# the request, echoed back in every /verify answer (BaseVerifyResponse extends the request)
-_ECHOED_FIELDS = frozenset({"responses_create_params", "response"})
 
 
 class NemoGymState(ExternalState, kw_only=True, omit_defaults=True):
@@ -113,6 +121,9 @@ class NemoGymState(ExternalState, kw_only=True, omit_defaults=True):
     seeded: bool = False
     cookies: dict[str, str] = msgspec.field(default_factory=dict)  # the session's cookie jar
     seed_response: Any = None  # what /seed_session answered
+    # the seed: "typed" (0.7's, the id below echoed back), "legacy" (the row, as 0.4), "" (old)
+    protocol: str = ""
+    resources_session_id: str = ""
 
 
 class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
@@ -131,6 +142,7 @@ class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
         max_connections: Annotated[int, msgspec.Meta(ge=1)] = 256
         model: str = "streamrl"
         verifier_version: str = "1"
+        taskset: str = NEMO_GYM_TASKSET
         rows: str = ""  # a NeMo Gym JSONL dataset: the generator cycles through its rows
         replay: bool = True  # false: a call whose answer was lost drops the sample
 
@@ -154,6 +166,11 @@ class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
             max_connections=o["max_connections"],
         )
         self._rows: list[bytes] | None = None
+        # the server's seed protocol, found on the first seed ("typed" or "legacy"), and
+        # whether it has /close_session (a 0.4 server answers 404: not asked again)
+        self._protocol = ""
+        self._closes = True
+        self._lock: tuple[Any, asyncio.Lock] | None = None  # (its event loop, the lock)
         self.replay = bool(o["replay"])
         self.recoveries = int(o["retries"])
 
@@ -219,15 +236,59 @@ class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
             state = msgspec.structs.replace(state, journal=Journal(phase="open", applied=-1))
         return state
 
-    def _seeded(self, state: NemoGymState, answer: Answer) -> NemoGymState:
+    def _seeded(self, state: NemoGymState, answer: Answer, body: dict) -> NemoGymState:
         return msgspec.structs.replace(
-            state, seeded=True, cookies=answer.cookies, seed_response=answer.parsed
+            state,
+            seeded=True,
+            cookies=answer.cookies,
+            seed_response=answer.parsed,
+            protocol="typed" if "episode_id" in body else "legacy",
+            resources_session_id=str(body.get("resources_session_id", "")),
         )
 
     async def aopen(self, task: Task, state: NemoGymState) -> NemoGymState:
-        """``POST /seed_session`` with the row and no cookie: a new server session."""
-        answer = await self._server.apost("/seed_session", self.row(task), {}, seed_answer)
-        return self._seeded(state, answer)
+        """``POST /seed_session`` with no cookie: a new server session, seeded with the typed
+        body (NeMo Gym 0.7) unless the server showed it reads only the row (0.4): see
+        ``took_typed``. A session the server made from a typed body it read as a legacy one
+        is closed where it can be, and seeded again with the row."""
+        if not self._protocol:  # one seed finds it while the episodes of this loop wait
+            loop = asyncio.get_running_loop()
+            if self._lock is None or self._lock[0] is not loop:
+                self._lock = (loop, asyncio.Lock())
+            async with self._lock[1]:
+                if not self._protocol:
+                    return await self._aseed(task, state)
+        return await self._aseed(task, state)
+
+    async def _aseed(self, task: Task, state: NemoGymState) -> NemoGymState:
+        if self._protocol != "legacy":
+            taskset = str(self.options["taskset"])
+            body = typed_seed_body(task, state.journal.attempt, taskset, self.row(task))
+            answer = await self._server.apost("/seed_session", body, {}, seed_answer, tool=True)
+            took = took_typed(answer, body, self._protocol == "typed")
+            self._protocol = "typed" if took else "legacy"
+            if took:
+                return self._seeded(state, answer, body)
+            if answer.status < 400 and self._closes:
+                await self._aclose(body, answer.cookies)
+        row = self.row(task)
+        answer = await self._server.apost("/seed_session", row, {}, seed_answer)
+        return self._seeded(state, answer, row)
+
+    async def _aschema_protocol(self) -> str:
+        """Whether the server's OpenAPI schema (FastAPI serves it) says ``/seed_session`` takes
+        0.7's ``ResourcesSeedSessionRequest`` ("typed"; "" unknown): a probe with no effect."""
+        return "typed" if seeds_typed(await self._server.aget_json("/openapi.json")) else ""
+
+    def _closed(self, answer: Answer) -> bool:
+        if answer.status in (404, 405):  # no /close_session here (NeMo Gym 0.4)
+            self._closes = False
+        return answer.status < 400
+
+    async def _aclose(self, body: dict[str, Any], cookies: dict[str, str]) -> bool:
+        close = {k: body[k] for k in ("resources_session_id", "episode_id")}
+        answer = await self._server.apost("/close_session", close, cookies, tool=True)
+        return self._closed(answer)
 
     async def asend(self, task: Task, state: NemoGymState, call: FunctionCall) -> StepResult:
         names = [t.name for t in self.tools_for(task)]
@@ -247,12 +308,23 @@ class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
         """``POST /close_session`` as NeMo Gym 0.7 defines it (``resources_session_id``,
         ``episode_id``; idempotent), with the session's cookies. A server without it (NeMo Gym
         0.4) answers 404: the session stays open there, never to be verified."""
-        body = {
-            "resources_session_id": resources_session_id(task.task_id, state.journal.attempt),
-            "episode_id": episode_id(task.task_id, state.journal.attempt),
-        }
-        answer = await self._server.apost("/close_session", body, state.cookies, tool=True)
-        return answer.status < 400
+        body = close_body(task.task_id, state.journal.attempt)
+        return self._closes and await self._aclose(body, state.cookies)
+
+    async def aclose_unconfirmed(self, task: Task, state: NemoGymState) -> bool:
+        """A typed seed named its session: it is closed by that id (no cookie; a 0.7 server
+        keeps a late seed of a closed id from making it again). Only for a server known to
+        take typed seeds: a close by an id that a legacy seed never bound would close nothing
+        and answer 200."""
+        if not self._protocol:  # no seed answered in this process yet: ask the schema
+            self._protocol = await self._aschema_protocol()
+        if self._protocol != "typed" or not self._closes:
+            return False
+        try:
+            return await self._aclose(close_body(task.task_id, state.journal.attempt), {})
+        except EnvUnavailable as e:
+            log.warning("closing an unconfirmed session failed", task_id=task.task_id, error=str(e))
+            return False
 
     def call_tool(self, state: NemoGymState, call: FunctionCall) -> StepResult:
         raise NotImplementedError("nemo-gym tools run over HTTP: use acall_tool")
@@ -274,11 +346,29 @@ class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
     def verify(self, task: Task, trajectory: Trajectory, state: NemoGymState) -> Verdict:
         """Not pure, unlike other verifiers: the resources server holds the state it scores."""
         if not state.seeded:  # an episode driven without the async path and with no tool call
-            seeded = self._server.post("/seed_session", self.row(task), {}, seed_answer)
-            state = self._seeded(state, seeded)
+            row = self.row(task)  # the legacy body: this path is not checkpointed anyway
+            seeded = self._server.post("/seed_session", row, {}, seed_answer)
+            state = self._seeded(state, seeded, row)
         body = self.verify_request(task, trajectory)
         answer = self._server.post("/verify", body, state.cookies, verify_answer).parsed
+        self._close_verified(task, state)
         return verdict_from_answer(answer)
+
+    def _close_verified(self, task: Task, state: NemoGymState) -> None:
+        """``/close_session`` once ``/verify`` has answered: the session is done. Best effort
+        (a session left open is a leak, not a wrong reward). A verification redone after this
+        (a verifier worker that died before writing the score) finds the session closed: the
+        server refuses it and the sample is dead-lettered, never scored from a fresh session."""
+        if not self._closes:
+            return
+        try:
+            answer = self._server.post(
+                "/close_session", close_body(task.task_id, state.journal.attempt), state.cookies,
+                tool=True,
+            )  # fmt: skip
+            self._closed(answer)
+        except EnvUnavailable as e:
+            log.warning("closing a verified session failed", task_id=task.task_id, error=str(e))
 
     # ---------------------------------------------------------------- scripted reference
     def reference(self, task: Task, items: list[Item], state: NemoGymState) -> Item:
@@ -301,58 +391,3 @@ class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
         if done < len(script):
             return script[done]
         return Message(role="assistant", content="")
-
-
-_ROLLOUT_ID_CHAR = re.compile(r"[A-Za-z0-9.-]")
-
-
-def episode_id(task_id: str, attempt: int) -> dict[str, Any]:
-    """NeMo Gym's ``EpisodeId`` of one server session of a sample: ``rollout_id`` is the task
-    id written in the characters it allows (any other character, ``_`` included, as ``_`` and
-    two hex digits, so that distinct task ids stay distinct; its first character escaped after an
-    ``x`` when it is not a letter or digit), ``attempt`` the session's count from 0
-    (``Journal.attempt``)."""
-    lead = task_id[:1].isascii() and task_id[:1].isalnum()
-    out = [] if lead else ["x"]
-    for i, ch in enumerate(task_id):
-        ok = _ROLLOUT_ID_CHAR.fullmatch(ch) and (i > 0 or lead)
-        out.append(ch if ok else "".join(f"_{b:02x}" for b in ch.encode()))
-    rollout = "".join(out)
-    if re.search(r"-a[1-9][0-9]*$", rollout):  # EpisodeId reserves that suffix
-        rollout += "_"
-    return {"rollout_id": rollout, "attempt": attempt}
-
-
-def resources_session_id(task_id: str, attempt: int) -> str:
-    """The id streamrl gives a sample's server session: ``EpisodeId.capture_key``."""
-    rollout = episode_id(task_id, attempt)["rollout_id"]
-    return rollout if attempt == 0 else f"{rollout}-a{attempt}"
-
-
-def verdict_from_answer(answer: dict[str, Any]) -> Verdict:
-    """A /verify answer as a Verdict, every field kept (see the module's docstring)."""
-    if answer.get("mask_sample") is True:
-        raise EnvUnavailable(
-            "/verify masked the sample (its reward is not a valid measurement): "
-            f"failure_kind={answer.get('failure_kind')!r}, "
-            f"failure_reason={snippet(str(answer.get('failure_reason')))!r}"
-        )
-    components: dict[str, float] = {}
-    details: dict[str, str] = {}
-    info: dict[str, Any] = {}
-    for key, value in answer.items():
-        if key == "reward" or key in _ECHOED_FIELDS:
-            continue
-        info[key] = value
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            components[key] = float(value)
-        elif isinstance(value, str):
-            details[key] = value[:NEMO_GYM_BODY_SNIPPET]
-    rc = answer.get("reward_components")
-    if isinstance(rc, dict):
-        for key, value in rc.items():
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                components[f"reward_components.{key}"] = float(value)
-    return Verdict(
-        reward=float(answer["reward"]), components=components, details=details, info=info
-    )

@@ -43,7 +43,7 @@ import msgspec
 
 from streamrl import schema
 from streamrl.config import PolicyConfig, RolloutConfig
-from streamrl.envs.base import Environment, Prompt, Verdict
+from streamrl.envs.base import Environment, Prompt, SampleMasked, Verdict
 from streamrl.envs.registry import make_env
 from streamrl.evaluation.estimators import CI_METHOD, summarize
 from streamrl.evaluation.spec import DEFAULT_TRAIN_PROMPTS, EvalReport, EvalSpec
@@ -200,7 +200,7 @@ async def _run(
     rollout: RolloutConfig,
     progress: Progress | None,
     on_sample: OnSample | None,
-) -> list[tuple[schema.Trajectory, Verdict]]:
+) -> list[tuple[schema.Trajectory, Verdict | SampleMasked]]:
     """Every episode at once, at most ``2 x max_batch`` in flight so batches fill."""
     from streamrl.workers.episode import new_session, run_episode
 
@@ -212,9 +212,14 @@ async def _run(
         nonlocal done
         async with gate:
             trajectory = await run_episode(env, policy, task, new_session(env, task), None, rollout)
-        verdict = await asyncio.to_thread(_verify, env, task, trajectory)
+        try:
+            verdict: Verdict | SampleMasked = await asyncio.to_thread(
+                _verify, env, task, trajectory
+            )
+        except SampleMasked as e:  # not a measurement: its prompt is left out (_rewards_by_prompt)
+            verdict = e
         results[i] = (trajectory, verdict)
-        if on_sample is not None:
+        if on_sample is not None and isinstance(verdict, Verdict):
             on_sample(task, trajectory, verdict)
         done += 1
         if progress is not None:
@@ -261,12 +266,24 @@ def _samples(heldout: HeldOut, k: int) -> list[schema.Task]:
 
 
 def _rewards_by_prompt(
-    tasks: list[schema.Task], scored: list[tuple[schema.Trajectory, Verdict]]
-) -> list[tuple[str, list[float]]]:
+    tasks: list[schema.Task], scored: list[tuple[schema.Trajectory, Any]]
+) -> tuple[list[tuple[str, list[float]]], dict[str, int]]:
+    """Each prompt's rewards, and the samples the environment masked, by kind: a prompt with a
+    masked sample is left out whole, as its group would be in training (pass@k needs every
+    prompt's k samples), never counted as a 0."""
     by_prompt: dict[str, list[float]] = {}
+    masked: dict[str, int] = {}
+    left_out: set[str] = set()
     for task, (_, verdict) in zip(tasks, scored, strict=True):
-        by_prompt.setdefault(task.prompt_id, []).append(float(verdict.reward))
-    return list(by_prompt.items())
+        if isinstance(verdict, SampleMasked):
+            masked[verdict.kind] = masked.get(verdict.kind, 0) + 1
+            left_out.add(task.prompt_id)
+        else:
+            by_prompt.setdefault(task.prompt_id, []).append(float(verdict.reward))
+    kept = [(p, rs) for p, rs in by_prompt.items() if p not in left_out]
+    if not kept:
+        raise EvalError(f"every prompt had a sample the environment masked ({masked})")
+    return kept, masked
 
 
 def _load_policy(
@@ -318,7 +335,8 @@ def evaluate(
     rollout_start = time.perf_counter()
     scored = asyncio.run(_run(env, policy, tasks, rollout, progress, on_sample))
     rollout_seconds = time.perf_counter() - rollout_start
-    numbers = summarize(_rewards_by_prompt(tasks, scored), threshold, spec.seed)
+    by_prompt, masked = _rewards_by_prompt(tasks, scored)
+    numbers = summarize(by_prompt, threshold, spec.seed)
     return EvalReport(
         env=env.name,
         env_version=env.version,
@@ -335,6 +353,7 @@ def evaluate(
         max_turns=rollout.max_turns,
         pass_reward=threshold,
         truncated=sum(t.status == "truncated" for t, _ in scored),
+        masked=masked,
         **_episode_stats(env, [t for t, _ in scored]),
         ci_method=CI_METHOD,
         train_prompts=heldout.train_prompts,

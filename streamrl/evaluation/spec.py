@@ -59,6 +59,8 @@ class EvalReport(msgspec.Struct, kw_only=True):
     pass_at_k_ci: dict[int, tuple[float, float]]
     ci_method: str
     truncated: int  # episodes stopped by max_turns or the token budget
+    # samples whose score the environment masked, by kind; their prompts are left out
+    masked: dict[str, int] = msgspec.field(default_factory=dict)
     turns_per_episode: float = 0.0  # model turns, mean over samples
     tool_calls_per_episode: float = 0.0  # the model's tool calls, mean over samples
     malformed_call_rate: float = 0.0  # of those calls, unknown tool or bad arguments

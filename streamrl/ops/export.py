@@ -11,8 +11,15 @@ trains on) and writes JSON lines:
   ``/aggregate_metrics`` and reward profiling group by: ``id`` (the dataset row's own, else the
   prompt id), ``_ng_task_index`` (the row's own when it has one, else the prompts numbered in
   the order they are exported) and ``_ng_rollout_index`` (the task's rollouts numbered in that
-  order: for a whole group, the sample index ``k``). streamrl's own bookkeeping goes under
-  ``streamrl`` (task id, policy versions, verifier).
+  order: for a whole group, the sample index ``k``). NeMo Gym 0.7's: ``_ng_environment_server``
+  and ``agent_ref`` (the row's own, else ``--nemo-gym-server``, "streamrl": 0.7's aggregation
+  groups by them and ``gym eval aggregate`` skips a row with neither), ``_ng_result_type``
+  (``legacy_agent``: the row is a ``/verify`` answer, as that server's are), and
+  ``_ng_attempt_index`` (the server session verified, counted from 0, for environments that
+  keep one). Each model turn's token ids and log-probs go on its last output item
+  (``prompt_token_ids``, ``generation_token_ids``, ``generation_log_probs``) when every turn
+  has all three, else on none. streamrl's own bookkeeping goes under ``streamrl`` (task id,
+  policy versions, verifier).
 - ``sft``: the best sample of each group (highest reward, first on ties), as TRL's
   conversational language-modeling format: ``{"messages": [...]}`` plus ``tools``.
 - ``dpo``: one pair per group, best as ``chosen`` and worst as ``rejected``, when their rewards
@@ -40,12 +47,22 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
 import redis
 
 from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.bus.streams import xrange_all
-from streamrl.defaults import NEMO_GYM_REFERENCE_FIELD, NG_ROLLOUT_INDEX, NG_TASK_INDEX
+from streamrl.defaults import (
+    NEMO_GYM_REFERENCE_FIELD,
+    NG_ATTEMPT_INDEX,
+    NG_ENVIRONMENT_SERVER,
+    NG_EXPORT_SERVER,
+    NG_RESULT_TYPE,
+    NG_RESULT_TYPE_VERIFY,
+    NG_ROLLOUT_INDEX,
+    NG_TASK_INDEX,
+)
 from streamrl.responses import input_json, response_json
 from streamrl.schema import FunctionCall, FunctionCallOutput, Item, Message, Reasoning
 
@@ -180,7 +197,54 @@ class _Indices:
         return task, rollout
 
 
-def _nemo_gym_row(sample: schema.Sample, indices: _Indices) -> dict[str, Any]:
+def _turn_ends(traj: schema.Trajectory) -> list[int] | None:
+    """For each model turn, the index in ``items[n_input:]`` of its last item; None when a
+    turn's items cannot be found in order (then no token fields are written)."""
+    items, ends, at = traj.items[traj.n_input :], [], 0
+    for turn in traj.turns:
+        for item in turn.items:
+            while at < len(items) and items[at] != item:
+                at += 1
+            if at == len(items):
+                return None
+            at += 1
+        if not turn.items:
+            return None
+        ends.append(at - 1)
+    return ends
+
+
+def _attach_tokens(output: list[dict[str, Any]], traj: schema.Trajectory) -> None:
+    """NeMo Gym's training fields on the last output item of each model turn, as its token
+    capture projects them: ``prompt_token_ids``, ``generation_token_ids``,
+    ``generation_log_probs``. All three on every turn or none on any (NeMo Gym refuses a
+    partial set with a 422): a turn without them (a scripted policy, an API model) leaves the
+    row without tokens."""
+    ends = _turn_ends(traj) if traj.turns else None
+    complete = ends is not None and all(
+        t.prompt_token_ids and t.token_ids and len(t.token_ids) == len(t.logprobs)
+        for t in traj.turns
+    )
+    if not complete or len(output) != len(traj.items) - traj.n_input:
+        return
+    for turn, end in zip(traj.turns, ends or [], strict=True):
+        output[end]["prompt_token_ids"] = list(turn.prompt_token_ids)
+        output[end]["generation_token_ids"] = list(turn.token_ids)
+        output[end]["generation_log_probs"] = [float(x) for x in turn.logprobs]
+
+
+def _attempt(traj: schema.Trajectory) -> int | None:
+    """The server session verified (the external journal's ``attempt``), when there is one."""
+    try:
+        state = msgspec.msgpack.decode(traj.state) if traj.state else None
+    except msgspec.DecodeError:
+        return None
+    journal = state.get("journal") if isinstance(state, dict) else None
+    attempt = journal.get("attempt", 0) if isinstance(journal, dict) else None
+    return attempt if isinstance(attempt, int) else None
+
+
+def _nemo_gym_row(sample: schema.Sample, indices: _Indices, ng_server: str) -> dict[str, Any]:
     traj, score = sample.trajectory, sample.score
     tools = _tools(traj)
     fields = {
@@ -201,13 +265,21 @@ def _nemo_gym_row(sample: schema.Sample, indices: _Indices) -> dict[str, Any]:
         tools,
         parallel_tool_calls=params.get("parallel_tool_calls", True) is not False,
     )
+    _attach_tokens(response["output"], traj)
     task_index, rollout_index = indices.of(traj)
+    server = fields.get(NG_ENVIRONMENT_SERVER) or ng_server
+    ids = {NG_TASK_INDEX: task_index, NG_ROLLOUT_INDEX: rollout_index}
+    attempt = _attempt(traj)
+    if attempt is not None:
+        ids[NG_ATTEMPT_INDEX] = attempt
     return {
         **fields,
         **score.info,
         "id": fields.get("id", traj.prompt_id),
-        NG_TASK_INDEX: task_index,
-        NG_ROLLOUT_INDEX: rollout_index,
+        **ids,
+        NG_ENVIRONMENT_SERVER: server,
+        NG_RESULT_TYPE: NG_RESULT_TYPE_VERIFY,
+        "agent_ref": fields.get("agent_ref") or {"name": server},
         "responses_create_params": params,
         "response": response,
         "reward": score.reward,
@@ -260,9 +332,15 @@ def _dpo_row(chosen: schema.Sample, rejected: schema.Sample) -> dict[str, Any]:
 
 
 def export_rows(
-    r: redis.Redis, run: str, fmt: str, flt: ExportFilter, limit: int | None = None
+    r: redis.Redis,
+    run: str,
+    fmt: str,
+    flt: ExportFilter,
+    limit: int | None = None,
+    ng_server: str = NG_EXPORT_SERVER,
 ) -> tuple[Iterator[dict[str, Any]], ExportResult]:
-    """The rows to write, and a result that counts them as they are produced."""
+    """The rows to write, and a result that counts them as they are produced; ``ng_server``
+    names the environment server of ``nemo-gym`` rows that do not name their own."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; formats: {', '.join(FORMATS)}")
     res = ExportResult(fmt)
@@ -285,7 +363,7 @@ def export_rows(
                     if limit is not None and res.rows >= limit:
                         return
                     res.rows += 1
-                    yield _nemo_gym_row(s, indices)
+                    yield _nemo_gym_row(s, indices, ng_server)
                 continue
             if not kept:
                 res.skip("empty_group")

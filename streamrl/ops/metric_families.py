@@ -64,6 +64,12 @@ class Families:
             "Samples on the scored feed with no reward (a failure, never a 0).",
             labels=["run", "env"],
         )
+        self.masked_samples = c(
+            "streamrl_masked_samples",
+            "Samples whose score the environment masked (NeMo Gym's mask_sample), by its "
+            "failure_kind: dead letters, never rewards.",
+            labels=["run", "env", "kind"],
+        )
         self.policy_version = g(
             "streamrl_policy_version", "Newest policy version announced.", labels=run
         )

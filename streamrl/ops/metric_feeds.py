@@ -14,6 +14,7 @@ import redis
 from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.bus.values import as_str, id_order
+from streamrl.defaults import MASKED
 from streamrl.ops.metric_families import Families
 
 # Dead-letter reasons are free text (they carry the error); the label is the class.
@@ -29,7 +30,7 @@ _DEAD_CLASSES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("bad_row", r"^[^\s:]+:\d+: "),  # the producer's `<file>:<line>: why`
     )
 )
-DEAD_LETTER_CLASSES = (*(name for name, _ in _DEAD_CLASSES), "other")
+DEAD_LETTER_CLASSES = (*(name for name, _ in _DEAD_CLASSES), "masked", "other")
 
 
 def dead_letter_class(reason: str) -> str:
@@ -101,6 +102,7 @@ class RunFeeds:
     rewards: dict[str, _Histogram] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
     dead_letters: dict[tuple[str, str], int] = field(default_factory=dict)
+    masked: dict[tuple[str, str], int] = field(default_factory=dict)  # (env, failure_kind)
 
     def fold(self, r: redis.Redis, keys: Keys, default_env: str, tail_max: int) -> None:
         """Fold the entries added since the last scrape, at most ``tail_max`` per stream;
@@ -113,6 +115,9 @@ class RunFeeds:
             env = score.env or default_env
             if score.reward is None:
                 self.failures[env] = self.failures.get(env, 0) + 1
+                if score.failure_kind.startswith(MASKED):
+                    key = (env, score.failure_kind[len(MASKED) :])
+                    self.masked[key] = self.masked.get(key, 0) + 1
             else:
                 self.rewards.setdefault(env, _Histogram(self.buckets)).observe(score.reward)
         for _eid, fields in self.dead.read(r, keys.dead, tail_max):
@@ -121,7 +126,8 @@ class RunFeeds:
             except (KeyError, msgspec.DecodeError, msgspec.ValidationError):
                 key = ("unknown", "undecodable")
             else:
-                key = (dl.stage, dead_letter_class(dl.reason))
+                masked = dl.kind.startswith(MASKED)
+                key = (dl.stage, "masked" if masked else dead_letter_class(dl.reason))
             self.dead_letters[key] = self.dead_letters.get(key, 0) + 1
 
     def report(self, f: Families, run: str) -> None:
@@ -132,3 +138,5 @@ class RunFeeds:
             f.score_failures.add_metric([run, env], self.failures.get(env, 0))
         for (stage, reason), n in sorted(self.dead_letters.items()):
             f.dead_letters.add_metric([run, stage, reason], n)
+        for (env, kind), n in sorted(self.masked.items()):
+            f.masked_samples.add_metric([run, env, kind], n)

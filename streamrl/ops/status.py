@@ -19,7 +19,7 @@ from streamrl.bus.shards import run_shards
 from streamrl.bus.streams import stage_groups
 from streamrl.bus.values import as_str
 from streamrl.connection import is_cluster
-from streamrl.defaults import ROLLOUT_QUEUE, VERIFY_QUEUE
+from streamrl.defaults import MASKED, ROLLOUT_QUEUE, VERIFY_QUEUE
 
 
 def _num(v: Any) -> Any:
@@ -72,6 +72,8 @@ def _shard_status(r: redis.Redis, keys: Keys) -> dict[str, Any]:
         "scored": r.xlen(keys.scored),
         "dead_letters": r.xlen(keys.dead),
         **{name: stats.get(name, 0) for name in _COUNTERS},
+        # samples whose score the environment masked, by its failure_kind (dead letters too)
+        "masked": {k[len(MASKED) :]: v for k, v in sorted(stats.items()) if k.startswith(MASKED)},
     }
 
 
@@ -98,6 +100,11 @@ def _total(parts: list[dict[str, Any]]) -> dict[str, Any]:
         out["stages"][stage] = {"length": sum(row["length"] for row in rows), "groups": groups}
     for name in ("scored", "dead_letters", *_COUNTERS):
         out[name] = sum(p[name] for p in parts)
+    masked: dict[str, int] = {}
+    for p in parts:
+        for kind, n in p["masked"].items():
+            masked[kind] = masked.get(kind, 0) + n
+    out["masked"] = dict(sorted(masked.items()))
     return out
 
 

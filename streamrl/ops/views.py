@@ -42,6 +42,9 @@ def status_table(info: dict[str, Any]) -> Table:
         str(info["groups_dropped"]),
     )
     foot.add_row("dead letters", str(info["dead_letters"]), "policy", str(info["policy_version"]))
+    if info.get("masked"):  # samples the environment masked: dead letters, never rewards
+        kinds = ", ".join(f"{k} {n}" for k, n in info["masked"].items())
+        foot.add_row("masked samples", str(sum(info["masked"].values())), "by kind", kinds)
     for q, w in info["rq"].items():
         dead = w.get("registered", w["workers"]) - w["workers"]
         live = f"{w['workers']} live ({w['busy']} busy)" + (f", {dead} dead" if dead else "")

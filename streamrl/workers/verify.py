@@ -31,8 +31,14 @@ from streamrl.bus.streams import (
 )
 from streamrl.bus.trim import forget_idle_consumers, trim_run
 from streamrl.config import RunConfig
-from streamrl.defaults import GROUP_DONE_TTL_S, SCHEMA_VERSION, VERIFY_GROUP, VERIFY_QUEUE
-from streamrl.envs import Environment, make_env
+from streamrl.defaults import (
+    GROUP_DONE_TTL_S,
+    MASKED,
+    SCHEMA_VERSION,
+    VERIFY_GROUP,
+    VERIFY_QUEUE,
+)
+from streamrl.envs import Environment, SampleMasked, make_env
 from streamrl.http import RetryPolicy
 from streamrl.verifiers.deadline import VerifierTimeout, deadline
 from streamrl.workers import leases
@@ -49,14 +55,20 @@ def verify_one(
     env: Environment, traj: schema.Trajectory, timeout_s: float, retries: int
 ) -> schema.Score:
     """Score a trajectory, or raise VerifyFailure saying why it could not be scored. Any
-    error (a timeout, a crash, a non-finite reward) is worth another attempt, at once."""
+    error (a timeout, a crash, a non-finite reward) is worth another attempt, at once; a
+    sample the environment masked (``SampleMasked``) is raised as it is, not retried."""
     name, version = env.verifier_id
     task = traj.task()
+    masked: list[SampleMasked] = []
 
-    def attempt() -> schema.Score:
+    def attempt() -> schema.Score | None:
         with deadline(timeout_s):
             state = env.decode_state(traj.state)
-            verdict = env.verify(task, traj, state)
+            try:
+                verdict = env.verify(task, traj, state)
+            except SampleMasked as e:  # the environment's verdict on its own score: no retry
+                masked.append(e)
+                return None
         reward = float(verdict.reward)
         if reward != reward or reward in (float("inf"), float("-inf")):
             raise ValueError(f"verifier returned a non-finite reward {reward}")
@@ -86,7 +98,10 @@ def verify_one(
     def give_up(e: BaseException) -> VerifyFailure:
         return VerifyFailure(f"{why(e)} (after {retries + 1} attempts)")
 
-    return RetryPolicy(tries=retries + 1, retry_on=(Exception,)).call(attempt, give_up, failed)
+    score = RetryPolicy(tries=retries + 1, retry_on=(Exception,)).call(attempt, give_up, failed)
+    if score is None:
+        raise masked[-1]
+    return score
 
 
 class _VerifyLease:
@@ -133,7 +148,9 @@ class _VerifyLease:
             self.cursor = cursor
         return entries
 
-    def _failure(self, e: Entry, reason: str, traj: schema.Trajectory | None) -> tuple:
+    def _failure(
+        self, e: Entry, reason: str, traj: schema.Trajectory | None, kind: str = ""
+    ) -> tuple:
         score = b""
         if traj is not None:
             score = schema.encode(
@@ -143,13 +160,14 @@ class _VerifyLease:
                     k=traj.k,
                     reward=None,
                     failure=reason,
+                    failure_kind=kind,
                     policy_versions=traj.policy_versions,
                     worker=self.consumer,
                     scored_at=time.time(),
                     env=traj.env,
                 )
             )
-        return (e, dead_letter(e, "verify", reason), score)
+        return (e, dead_letter(e, "verify", reason, kind), score)
 
     def process(self, entries: list[Entry]) -> None:
         cfg = self.config
@@ -177,6 +195,9 @@ class _VerifyLease:
             try:
                 env = self._env(traj.env)
                 score = verify_one(env, traj, cfg.verify.timeout_s, cfg.verify.retries)
+            except SampleMasked as err:  # an environment failure, by its kind
+                failed.append(self._failure(e, str(err), traj, f"{MASKED}{err.kind}"))
+                continue
             except Exception as err:  # VerifyFailure, or an environment that cannot load
                 failed.append(self._failure(e, str(err), traj))
                 continue
@@ -191,9 +212,17 @@ class _VerifyLease:
             )
             res = self.scripts.deadletter(keys=keys, args=args)
             self.counts["dead_lettered"] += sum(res)
-            for (e, _, _), done in zip(failed, res, strict=True):
+            kinds: dict[str, int] = {}
+            for (e, blob, _), done in zip(failed, res, strict=True):
                 if done:
-                    log.warning("dead-lettered trajectory", task_id=e.task_id)
+                    kind = schema.DEAD_LETTER.decode(blob).kind
+                    if kind:
+                        kinds[kind] = kinds.get(kind, 0) + 1
+                    log.warning("dead-lettered trajectory", task_id=e.task_id, kind=kind)
+            # counted by kind for `streamrl status` (after the dead letters are written: a
+            # worker killed in between undercounts by what it had; the dead stream holds all)
+            for kind, n in kinds.items():
+                self.r.hincrby(self.keys.stats, kind, n)
 
     def _score(self, ok: list[tuple[Entry, schema.Trajectory, schema.Score]]) -> list[tuple]:
         """Add scores to their groups; returns the failures for samples the script refused."""

@@ -39,6 +39,12 @@ def server_url(tmp_path_factory):
         yield url
 
 
+@pytest.fixture(scope="module")
+def typed_url(tmp_path_factory):
+    with resources_server(tmp_path_factory.mktemp("external-typed"), "typed") as url:
+        yield url
+
+
 class _Crash(BaseException):
     """The worker dies: nothing the episode loop or the environment catches."""
 
@@ -134,7 +140,7 @@ def test_a_call_applied_but_not_checkpointed_is_replayed_into_a_fresh_session(se
     # the second holds every call once: the confirmed call_0 replayed, then call_1 and call_2
     assert new_calls == _calls(traj) == ["increment_counter:2", "increment_counter:3",
                                          "increment_counter:4"]  # fmt: skip
-    assert not new_closed and verifies == 1 and verdict.reward == 1.0
+    assert new_closed and verifies == 1 and verdict.reward == 1.0  # closed after /verify
     j = state.journal
     assert (j.attempt, j.closed, j.lost, j.applied, j.sending) == (1, 1, 0, 3, None)
     assert len(traj.turns) == 4  # the turn that made call_1 was not asked of the policy again
@@ -158,8 +164,36 @@ def test_a_seed_answered_but_not_checkpointed_opens_a_fresh_session(server_url):
     lost, used = _server_calls(server_url, "wal2")[::-1]  # the empty one sorts last
     # the lost session holds nothing: no call is sent before its seed is checkpointed
     assert lost == ([], False, 0)
-    assert used == (["increment_counter:5"], False, 1)
+    assert used == (["increment_counter:5"], True, 1)
     assert (state.journal.attempt, state.journal.lost) == (1, 1)
+
+
+def test_a_typed_seed_answered_but_not_checkpointed_is_closed_by_its_id(typed_url):
+    """NeMo Gym 0.7's typed seed names the session: the one whose answer was lost is closed by
+    that id (by a fresh env, as a new worker process would be, which reads the server's OpenAPI
+    schema to know it takes typed seeds), and the episode goes on as attempt 1."""
+    task = _task(counter_row("wal2t", 1, [5]))
+    store: list[bytes] = []
+
+    def after_seed(s: Session, state: NemoGymState) -> bool:
+        return state.journal.phase == "open" and not s.turns
+
+    with pytest.raises(_Crash):
+        _episode(make_env("nemo-gym", base_url=typed_url), task, after_seed, store)
+    env = make_env("nemo-gym", base_url=typed_url)
+    traj = _episode(env, task, None, store)
+    state = env.decode_state(traj.state)
+    assert env.verify(task, traj, state).reward == 1.0
+    records = {sid: r for sid, r in sessions(typed_url).items() if r["label"] == "wal2t"}
+    assert records.keys() == {"wal2t_3a0", "wal2t_3a0-a1"}  # EpisodeId.capture_key of each
+    lost, used = records["wal2t_3a0"], records["wal2t_3a0-a1"]
+    assert (lost["calls"], lost["closed"], lost["verifies"]) == ([], True, 0)
+    assert lost["episode_id"] == {"rollout_id": "wal2t_3a0", "attempt": 0}
+    assert (used["calls"], used["closed"], used["verifies"]) == (["increment_counter:5"], True, 1)
+    assert used["episode_id"] == {"rollout_id": "wal2t_3a0", "attempt": 1}
+    assert state.protocol == "typed" and state.resources_session_id == "wal2t_3a0-a1"
+    j = state.journal
+    assert (j.attempt, j.lost, j.closed) == (1, 0, 1)
 
 
 def test_a_replay_the_server_cannot_reproduce_drops_the_sample(server_url):
@@ -198,7 +232,7 @@ def test_an_answer_lost_while_the_worker_lives_is_recovered_the_same_way(server_
     assert env.verify(task, traj, state).reward == 1.0
     first, second = _server_calls(server_url, "wal5")
     assert first == (["increment_counter:1"], True, 0)
-    assert second == (["increment_counter:1", "increment_counter:2"], False, 1)
+    assert second == (["increment_counter:1", "increment_counter:2"], True, 1)
     assert (state.journal.attempt, state.journal.closed) == (1, 1)
 
 

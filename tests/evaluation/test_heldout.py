@@ -240,3 +240,20 @@ def test_bad_input_gets_one_error_line(argv, status, says, tiny_dir, tmp_path, s
     assert "Traceback" not in out, out
     errors = [line for line in out.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and says in errors[0], out
+
+
+def test_a_masked_sample_leaves_its_prompt_out_of_eval_never_a_zero():
+    """A sample the environment masked (NeMo Gym's ``mask_sample``) is not a measurement: its
+    prompt is left out of pass@k and the mean, counted by kind; all masked is an error."""
+    from streamrl import schema
+    from streamrl.envs import SampleMasked, Verdict
+    from streamrl.evaluation.heldout import _rewards_by_prompt
+
+    tasks = [schema.Task(task_id=f"{p}:{k}", prompt_id=p, k=k, group_size=2, env="copy",
+                         input=[]) for p in ("a", "b") for k in range(2)]  # fmt: skip
+    one, masked = Verdict(reward=1.0), SampleMasked("judge_failed", "the judge is down")
+    scored = [(None, one), (None, one), (None, masked), (None, Verdict(reward=0.0))]
+    by_prompt, kinds = _rewards_by_prompt(tasks, scored)
+    assert by_prompt == [("a", [1.0, 1.0])] and kinds == {"judge_failed": 1}
+    with pytest.raises(EvalError, match="masked"):
+        _rewards_by_prompt(tasks[2:], [*scored[2:3], (None, masked)])

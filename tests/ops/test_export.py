@@ -61,6 +61,16 @@ def test_export_formats_and_filters(scored_run, tmp_path):
     assert all(by_prompt[r["_ng_task_index"]] == r["streamrl"]["prompt_id"] for r in rows)
     rewards = sorted({r["reward"] for r in rows})
     assert rewards == [0.0, 1.0]
+    # NeMo Gym 0.7's keys: the environment server (aggregation groups by it), the agent, the
+    # result type; no token fields, as the scripted policy records none (never a partial set)
+    for row in rows:
+        assert row["_ng_environment_server"] == "streamrl" and row["agent_ref"] == {
+            "name": "streamrl"
+        }
+        assert row["_ng_result_type"] == "legacy_agent"
+        assert not any("generation_token_ids" in o for o in row["response"]["output"])
+    named, _ = _export(env, tmp_path, "--format", "nemo-gym", "--nemo-gym-server", "my_env")
+    assert {r["_ng_environment_server"] for r in named} == {"my_env"}
 
     # filters: minimum reward, policy versions (the scripted policy is version 0), offsets
     ones, _ = _export(env, tmp_path, "--format", "nemo-gym", "--min-reward", "1")
@@ -127,3 +137,43 @@ def _check_with_datasets_and_trl(tmp_path, sft_rows, dpo_rows) -> None:
         processing_class=tok,
     )
     assert trainer.train().global_step == 1
+
+
+def _sample(turns: list[schema.ModelTurn], items: list) -> schema.Sample:
+    prompt = [schema.Message(role="user", content="add 2")]
+    traj = schema.Trajectory(
+        task_id="p:0", prompt_id="p", k=0, group_size=1, env="counter", items=prompt + items,
+        n_input=1, turns=turns, status="completed",
+    )  # fmt: skip
+    score = schema.Score(task_id="p:0", prompt_id="p", k=0, reward=1.0)
+    return schema.Sample(score=score, trajectory=traj)
+
+
+def test_nemo_gym_rows_carry_each_turns_tokens_complete_or_not_at_all():
+    """Each model turn's token ids and log-probs on its last output item, as NeMo Gym's token
+    capture projects them; a turn that lacks any of them leaves the whole row without."""
+    from streamrl.ops.export import _Indices, _nemo_gym_row
+
+    call = schema.FunctionCall(call_id="c1", name="add", arguments='{"n": 2}')
+    out = schema.FunctionCallOutput(call_id="c1", output="2")
+    think = schema.Reasoning(content="add it")
+    answer = schema.Message(role="assistant", content="2")
+    turns = [
+        schema.ModelTurn(index=0, items=[think, call], prompt_token_ids=[1, 2],
+                         token_ids=[3, 4], logprobs=[-0.1, -0.2]),
+        schema.ModelTurn(index=1, items=[answer], prompt_token_ids=[1, 2, 3, 4, 5],
+                         token_ids=[6], logprobs=[-0.3]),
+    ]  # fmt: skip
+    row = _nemo_gym_row(_sample(turns, [think, call, out, answer]), _Indices(), "streamrl")
+    output = row["response"]["output"]
+    assert [o["type"] for o in output] == ["reasoning", "function_call", "function_call_output",
+                                            "message"]  # fmt: skip
+    tokens = [
+        (o.get("prompt_token_ids"), o.get("generation_token_ids"), o.get("generation_log_probs"))
+        for o in output
+    ]
+    assert tokens == [(None, None, None), ([1, 2], [3, 4], [-0.1, -0.2]), (None, None, None),
+                      ([1, 2, 3, 4, 5], [6], [-0.3])]  # fmt: skip
+    turns[1].logprobs = []  # one turn without log-probs: no token field anywhere
+    row = _nemo_gym_row(_sample(turns, [think, call, out, answer]), _Indices(), "streamrl")
+    assert not any("generation_token_ids" in o for o in row["response"]["output"])

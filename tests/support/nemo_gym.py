@@ -86,15 +86,24 @@ def by_label(url: str) -> dict[str, list[dict[str, Any]]]:
 
 
 @contextlib.contextmanager
-def resources_server(log_dir: Path) -> Iterator[str]:
-    """Start the server in its own process; stop it (by its PID) on the way out."""
+def resources_server(log_dir: Path, protocol: str = "mixed") -> Iterator[str]:
+    """Start the server in its own process; stop it (by its PID) on the way out.
+    ``protocol``: which seeds it takes (tests/support/nemo_gym_server.py)."""
     port = free_port()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     log_dir.mkdir(parents=True, exist_ok=True)
     log = open(log_dir / "resources-server.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.nemo_gym_server", "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "tests.support.nemo_gym_server",
+            "--port",
+            str(port),
+            "--protocol",
+            protocol,
+        ],
         cwd=ROOT,
         env=env,
         stdout=log,

@@ -15,7 +15,10 @@ scripted agent is right, so every sample must score 1.0; the figures say where t
   applied calls);
 - ``scored``, ``scored_0``, ``dropped`` (dead letters), ``drained``;
 - from the journals: ``samples_replayed_into_a_fresh_session``, ``lost_opens`` (seeds whose
-  answer died with a worker: the sessions they made, if any, cannot be found).
+  answer died with a worker and that could not be closed by id: the sessions they made, if
+  any, cannot be found), ``verified_attempts`` (scored samples by the attempt verified);
+- ``attempt_mismatch``: verified typed sessions seeded under another attempt than the one the
+  journal records; ``sessions_seeded_twice``; ``sessions_typed`` (seeded with 0.7's body).
 
 Only the trajectory's decoded state is read (``seed_response.session_id``, and the journal
 when there is one), as a plain msgpack map, so the figures can be taken of any version.
@@ -124,10 +127,12 @@ def _calls(traj: schema.Trajectory) -> list[str]:
 
 def _figures(samples, dead, server, fault_dir, completed, dropped, drained, prompts, seed):
     verified: set[str] = set()
-    twice = not_as_recorded = scored_0 = replayed = lost = 0
+    twice = not_as_recorded = scored_0 = replayed = lost = attempt_mismatch = 0
+    attempts: Counter[int] = Counter()
     for s in samples:
         state = msgspec.msgpack.decode(s.trajectory.state)
-        sid = (state.get("seed_response") or {}).get("session_id")
+        seed = state.get("seed_response") or {}
+        sid = seed.get("session_id") or seed.get("resources_session_id")
         record = server.get(sid)
         if record is None:
             not_as_recorded += 1
@@ -140,6 +145,10 @@ def _figures(samples, dead, server, fault_dir, completed, dropped, drained, prom
         journal = state.get("journal") or {}
         replayed += journal.get("attempt", 0) > 0
         lost += journal.get("lost", 0)
+        attempts[journal.get("attempt", 0)] += 1
+        episode = record.get("episode_id")  # a typed seed's: the attempt the server was told
+        if episode is not None and episode.get("attempt") != journal.get("attempt", 0):
+            attempt_mismatch += 1
     leaked = [r for sid, r in server.items() if sid not in verified and not r.get("closed")]
     kills = Counter(path.read_text().split()[0] for path in fault_dir.iterdir())
     return {
@@ -162,6 +171,12 @@ def _figures(samples, dead, server, fault_dir, completed, dropped, drained, prom
         "sessions_leaked_with_calls": sum(1 for r in leaked if r["calls"]),
         "samples_replayed_into_a_fresh_session": replayed,
         "lost_opens": lost,
+        # the scored samples by the attempt (server session, from 0) that was verified, and
+        # the verified typed sessions whose seed named another attempt
+        "verified_attempts": {str(k): n for k, n in sorted(attempts.items())},
+        "attempt_mismatch": attempt_mismatch,
+        "sessions_seeded_twice": sum(1 for r in server.values() if r.get("seeds", 0) > 1),
+        "sessions_typed": sum(1 for r in server.values() if r.get("episode_id")),
     }
 
 

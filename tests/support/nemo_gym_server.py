@@ -22,6 +22,9 @@ Faults, chosen per row by its ``fault`` field (the row reaches ``/seed_session``
 call of the row's label, over all its sessions, is applied and then answered only after
 ``slow_s``: the client times out and never learns that it was applied).
 
+Seeds: ``--protocol`` (see ``CounterResourcesServer``): NeMo Gym 0.7's typed seed, the legacy
+one, with or without ``/close_session``.
+
 ``GET /_sessions`` shows the server-side state, for the tests' checks: per session its seeds,
 the calls applied (``calls``, in order, each with its global sequence number in ``seqs``),
 ``verifies`` and ``closed``.
@@ -213,10 +216,33 @@ class SessionRecord(BaseModel):
     counter_failures: int = 0
     closed: bool = False
     close_body: dict[str, Any] = {}
+    episode_id: dict[str, Any] | None = None  # a typed seed's
+
+
+class TaskId(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    taskset: str = Field(min_length=1)
+    task_id: str = Field(min_length=1)
+
+
+class ResourcesSeedSessionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    resources_session_id: str = Field(min_length=1)
+    episode_id: EpisodeId
+    task_id: TaskId
+    task_data: dict[str, Any]
+
+
+PROTOCOLS = ("mixed", "typed", "legacy")
 
 
 class CounterResourcesServer:
-    def __init__(self, secret: str = "streamrl-test-secret") -> None:
+    """``protocol``: ``mixed`` (the legacy seed, and 0.7's ``/close_session``), ``typed``
+    (0.7's typed seed besides the legacy one: the session keyed by ``resources_session_id``,
+    echoed; a closed id refuses a late seed) or ``legacy`` (0.4: no ``/close_session``)."""
+
+    def __init__(self, secret: str = "streamrl-test-secret", protocol: str = "mixed") -> None:
+        self.protocol = protocol
         self.secret = secret
         self.sessions: dict[str, SessionRecord] = {}
         self.seq = 0
@@ -251,18 +277,45 @@ class CounterResourcesServer:
         # added last, so it runs first: the session exists when add_session_id runs
         app.add_middleware(SessionMiddleware, secret_key=self.secret, session_cookie="session")
 
-        app.post("/seed_session")(self.seed_session)
+        app.post("/seed_session")(
+            self.seed_session if self.protocol == "typed" else self.seed_legacy
+        )
         app.post("/increment_counter")(self.increment_counter)
         app.post("/get_counter_value")(self.get_counter_value)
         app.post("/kv_set")(self.kv_set)
         app.post("/kv_get")(self.kv_get)
         app.post("/draw_ticket")(self.draw_ticket)
         app.post("/verify")(self.verify)
-        app.post("/close_session")(self.close_session)
+        if self.protocol != "legacy":
+            app.post("/close_session")(self.close_session)
         app.get("/_sessions")(self.list_sessions)
         return app
 
+    async def seed_legacy(self, request: Request, raw: CounterSeedSessionRequest) -> Any:
+        """The row (a typed body is read as one, its fields ignored, as 0.4's models do)."""
+        return (await self._seed(request, raw)).model_dump()
+
     async def seed_session(
+        self, request: Request, raw: ResourcesSeedSessionRequest | CounterSeedSessionRequest
+    ) -> dict[str, Any]:
+        """The typed seed or the legacy row (the union is what 0.7's servers declare, so their
+        OpenAPI schema names the typed one)."""
+        if isinstance(raw, ResourcesSeedSessionRequest):
+            typed = raw
+            sid = typed.resources_session_id
+            known = self.sessions.get(sid)
+            if known is not None and known.closed:
+                raise HTTPException(409, f"session {sid} is closed")
+            if known is not None and known.episode_id != typed.episode_id.model_dump():
+                raise HTTPException(409, f"session {sid} is bound to another episode")
+            request.session[SESSION_ID_KEY] = sid
+            body = CounterSeedSessionRequest.model_validate(typed.task_data)
+            await self._seed(request, body)
+            self.sessions[sid].episode_id = typed.episode_id.model_dump()
+            return {"resources_session_id": sid}
+        return (await self._seed(request, raw)).model_dump()
+
+    async def _seed(
         self, request: Request, body: CounterSeedSessionRequest
     ) -> CounterSeedSessionResponse:
         if body.fault == "seed_5xx":
@@ -325,7 +378,13 @@ class CounterResourcesServer:
     async def close_session(
         self, request: Request, body: ResourcesCloseSessionRequest
     ) -> ResourcesCloseSessionResponse:
-        record = self.sessions.get(request.session[SESSION_ID_KEY])
+        record = self.sessions.get(body.resources_session_id)
+        if record is None or record.episode_id is None:  # a legacy seed's: by its cookie
+            record = self.sessions.get(request.session[SESSION_ID_KEY])
+        if record is None and self.protocol == "typed":  # never seeded: a late seed is refused
+            record = self.sessions[body.resources_session_id] = SessionRecord(
+                episode_id=body.episode_id.model_dump()
+            )
         if record is not None:  # closing an unknown or closed session succeeds too
             record.closed = True
             record.close_body = body.model_dump()
@@ -366,8 +425,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--protocol", choices=PROTOCOLS, default="mixed")
     args = ap.parse_args()
-    app = CounterResourcesServer().setup_webserver()
+    app = CounterResourcesServer(protocol=args.protocol).setup_webserver()
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
 
 

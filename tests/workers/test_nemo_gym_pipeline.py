@@ -17,6 +17,7 @@ from streamrl import schema
 from streamrl.config import PolicyConfig, RolloutConfig, RunConfig, StreamConfig, VerifyConfig
 from streamrl.defaults import ROLLOUT_QUEUE, VERIFY_QUEUE
 from streamrl.local.pipeline import LocalPipeline, xrange_all
+from streamrl.ops.status import collect
 from streamrl.producer.produce import Producer
 from streamrl.schema import FunctionCallOutput
 from streamrl.workers import leases
@@ -84,6 +85,7 @@ def test_rollouts_train_on_the_server_and_its_failures_are_dead_letters(
         trajs = {t.task_id: t for t in p.trajectories()}
         dead = _dead(p)
         completed, dropped = p.stat("groups_completed"), p.stat("groups_dropped")
+        status = collect(p.r, "ng")
     server = by_label(server_url)
 
     assert (completed, dropped) == (len(good), len(bad)), {k: d.reason for k, d in dead.items()}
@@ -115,11 +117,20 @@ def test_rollouts_train_on_the_server_and_its_failures_are_dead_letters(
         "verify5xx": ("verify", "HTTP 502 from POST /verify", "the judge is down"),
         "malformed": ("verify", "malformed answer from POST /verify", "<html>proxy error"),
         "noreward": ("verify", "malformed answer from POST /verify", "no numeric reward"),
-        "masked": ("verify", "/verify masked the sample", "judge_unavailable"),
+        "masked": ("verify", "/verify masked the sample", "the judge timed out"),
     }
     for label, (stage, what, body) in expect.items():
         d = dead[label]
         assert d.stage == stage and what in d.reason and body in d.reason, (label, d.reason)
+    # a masked sample is an environment failure of its kind, asked once (not retried), and
+    # counted by kind; every other dead letter has no kind
+    assert dead["masked"].kind == "masked:judge_unavailable"
+    assert {d.kind for k, d in dead.items() if k != "masked"} == {""}
+    assert [r["verifies"] for r in server["masked"]] == [1, 1]
+    assert status["masked"] == {"judge_unavailable": 2}
+    masked = [s for s in scores if s.failure_kind]
+    assert [s.failure_kind for s in masked] == ["masked:judge_unavailable"] * 2
+    assert all(s.reward is None for s in masked)
     assert "after 2 attempts" in dead["tool5xx"].reason
     assert not {"ok1", "ok2", "miss", "flaky"} & set(dead)
 
