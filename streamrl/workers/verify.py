@@ -35,6 +35,7 @@ from streamrl.defaults import GROUP_DONE_TTL_S, SCHEMA_VERSION, VERIFY_GROUP, VE
 from streamrl.envs import Environment, make_env
 from streamrl.http import RetryPolicy
 from streamrl.verifiers.deadline import VerifierTimeout, deadline
+from streamrl.verifiers.reward_functions import RewardFunctions
 from streamrl.workers import leases
 from streamrl.workers.context import consumer_name, control_connection, read_config
 
@@ -46,17 +47,25 @@ class VerifyFailure(Exception):
 
 
 def verify_one(
-    env: Environment, traj: schema.Trajectory, timeout_s: float, retries: int
+    env: Environment,
+    traj: schema.Trajectory,
+    timeout_s: float,
+    retries: int,
+    rewards: RewardFunctions | None = None,
 ) -> schema.Score:
     """Score a trajectory, or raise VerifyFailure saying why it could not be scored. Any
-    error (a timeout, a crash, a non-finite reward) is worth another attempt, at once."""
-    name, version = env.verifier_id
+    error (a timeout, a crash, a non-finite reward) is worth another attempt, at once.
+    ``rewards``: the run's TRL-style reward functions, which score instead of ``env``."""
+    name, version = rewards.verifier_id if rewards is not None else env.verifier_id
     task = traj.task()
 
     def attempt() -> schema.Score:
         with deadline(timeout_s):
-            state = env.decode_state(traj.state)
-            verdict = env.verify(task, traj, state)
+            if rewards is not None:
+                verdict = rewards.score(task, traj)
+            else:
+                state = env.decode_state(traj.state)
+                verdict = env.verify(task, traj, state)
         reward = float(verdict.reward)
         if reward != reward or reward in (float("inf"), float("-inf")):
             raise ValueError(f"verifier returned a non-finite reward {reward}")
@@ -108,6 +117,7 @@ class _VerifyLease:
         self.seconds = seconds
         self.scripts = Scripts(r)
         self.envs: dict[str, Environment] = {}
+        self._rewards: RewardFunctions | None = None
         self.cursor = "0-0"
         self.counts = {"scored": 0, "duplicates": 0, "dead_lettered": 0, "lost_claim": 0}
 
@@ -117,6 +127,14 @@ class _VerifyLease:
             opts = self.config.env_options if name == self.config.env else {}
             env = self.envs[name] = make_env(name, **opts)
         return env
+
+    def _reward_functions(self) -> RewardFunctions | None:
+        """The run's reward functions (``verifier``), loaded on first use; None: each
+        environment verifies its own trajectories."""
+        if self._rewards is None and self.config.verifier:
+            cfg = self.config
+            self._rewards = RewardFunctions(cfg.reward_functions, cfg.reward_weights)
+        return self._rewards
 
     def _claim(self, own: bool, count: int) -> list[Entry]:
         args = claim_args(
@@ -176,8 +194,9 @@ class _VerifyLease:
                 continue
             try:
                 env = self._env(traj.env)
-                score = verify_one(env, traj, cfg.verify.timeout_s, cfg.verify.retries)
-            except Exception as err:  # VerifyFailure, or an environment that cannot load
+                rewards = self._reward_functions()
+                score = verify_one(env, traj, cfg.verify.timeout_s, cfg.verify.retries, rewards)
+            except Exception as err:  # VerifyFailure; an environment, a function that cannot load
                 failed.append(self._failure(e, str(err), traj))
                 continue
             score.rollout_id = e.id
