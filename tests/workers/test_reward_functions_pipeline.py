@@ -11,8 +11,10 @@ from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.config import PolicyConfig, RunConfig
 from streamrl.local.pipeline import LocalPipeline, xrange_all
+from streamrl.ops.drift import drift_report
 from streamrl.producer.datasets import open_rows
 from streamrl.producer.produce import Producer
+from streamrl.workers.context import write_config
 
 M = "tests.support.trl_rewards"
 PROMPTS = 6
@@ -51,6 +53,10 @@ def test_trl_reward_functions_score_through_real_workers(redis_url, subprocess_e
         trajs = {t.task_id: t for t in p.trajectories()}
         dead = [schema.DEAD_LETTER.decode(f[b"p"]) for _, f in xrange_all(p.r, Keys(cfg.run).dead)]
         dropped = p.stat("groups_dropped")
+        same = drift_report(p.r, cfg.run)
+        cfg.reward_weights = [1.0, 0.0, 1.0]  # think_format_reward no longer counts
+        write_config(p.r, cfg)
+        moved = drift_report(p.r, cfg.run)
     rewarded = [s for s in scores if s.reward is not None]
     failed = [s for s in scores if s.reward is None]
     # the exploding row: its four samples failed, none was scored, its group was dropped
@@ -72,3 +78,11 @@ def test_trl_reward_functions_score_through_real_workers(redis_url, subprocess_e
         }
         assert s.verifier == "reward-functions" and s.verifier_version
     assert seen == {True, False}
+    # `streamrl reverify` re-scores with the run's reward functions: the same ones agree, and
+    # new weights are a new version whose every reward moved by -0.5
+    (row,) = same["drift"]
+    assert row["samples"] == len(rewarded) and row["changed"] == row["failed"] == 0
+    assert row["from_version"] == row["to_version"] == f"reward-functions/{s.verifier_version}"
+    (row,) = moved["drift"]
+    assert row["to_version"] != row["from_version"] and row["changed"] == len(rewarded)
+    assert row["mean_delta"] == -0.5
