@@ -4,12 +4,18 @@ against a private Redis, with real worker processes, and the scores they produce
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shlex
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from streamrl import schema
 from streamrl.bus.keys import Keys
@@ -22,14 +28,18 @@ SECTION = (ROOT / "README.md").read_text().split("## Bring your environment", 1)
 SECTION = SECTION.split("\n## ", 1)[0]
 
 
-def _example(title: str) -> tuple[str, list[str]]:
-    """The Python block and the shell command lines of the example that starts at ``title``."""
+def _blocks(title: str, lang: str) -> list[str]:
+    """The ``lang`` code blocks of the example that starts at ``title``."""
     part = SECTION.split(f"**{title}", 1)[1].split("\n**", 1)[0]
-    py = re.search(r"```python\n(.*?)```", part, re.S)
-    sh = re.search(r"```bash\n(.*?)```", part, re.S)
-    assert sh is not None, f"the {title} example has no commands"
-    lines = [x for x in sh.group(1).replace("\\\n", " ").splitlines() if x.strip()]
-    return (py.group(1) if py else ""), lines
+    return re.findall(rf"```{lang}\n(.*?)```", part, re.S)
+
+
+def _example(title: str) -> tuple[str, list[str]]:
+    """The Python block and the command lines of the example's last shell block."""
+    py, sh = _blocks(title, "python"), _blocks(title, "bash")
+    assert sh, f"the {title} example has no commands"
+    lines = [x for x in sh[-1].replace("\\\n", " ").splitlines() if x.strip()]
+    return (py[0] if py else ""), lines
 
 
 def _argv(command: str) -> list[str]:
@@ -38,18 +48,22 @@ def _argv(command: str) -> list[str]:
     return [sys.executable, "-m", "streamrl.cli", *words[1:]]
 
 
-def _run_example(title: str, run: str, redis_url: str, env: dict, cwd: Path) -> list:
-    """Run the example; returns the worker processes its `&` lines started."""
+def _run_example(
+    title: str, run: str, redis_url: str, env: dict, cwd: Path, edit=lambda line: line
+) -> list:
+    """Run the example (each command line through ``edit``); returns the worker processes
+    its `&` lines started."""
     env = {**env, "STREAMRL_REDIS_URL": redis_url, "STREAMRL_RUN": run}
     env["HF_DATASETS_CACHE"] = str(cwd / "hf-cache")  # `datasets` writes its cache here
     env["HF_HUB_OFFLINE"] = "1"
+    cwd.mkdir(exist_ok=True)
     (cwd / "examples").symlink_to(ROOT / "examples")
     py, lines = _example(title)
     if py:
         done = subprocess.run([sys.executable, "-c", py], cwd=cwd, env=env, capture_output=True)
         assert done.returncode == 0, done.stderr.decode()
     procs = []
-    for line in lines:
+    for line in map(edit, lines):
         if line.rstrip().endswith("&"):
             for command in filter(str.strip, line.split("&")):
                 procs.append(
@@ -102,3 +116,55 @@ def test_trl_reward_functions_and_a_saved_dataset(redis_url, r, subprocess_env, 
             "exact_answer": s.reward / 2,
             "no_extra_words": s.reward / 2,
         }
+
+
+def test_openenv_server_and_rollouts(redis_url, r, subprocess_env, tmp_path):
+    """The server block runs where openenv-core is installed (tests/support/openenv_server.py
+    makes that environment); the example's port 8000 becomes a free one on this shared
+    machine, in both blocks."""
+    from tests.support.openenv_server import free_port, python
+
+    port = str(free_port())
+    server_cmd = _blocks("OpenEnv", "bash")[0].strip().replace("8000", port)
+    bin_dir = python().parent
+    env = {**subprocess_env, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
+    env.pop("PYTHONPATH", None)
+    server = subprocess.Popen(
+        ["bash", "-c", server_cmd],
+        cwd=tmp_path,
+        env=env,
+        stdout=open(tmp_path / "server.log", "wb"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    run = "bring-openenv"
+    procs = []
+    try:
+        wait_for(lambda: _listening(int(port)), "the OpenEnv server to listen", 60, every=0.2)
+        procs = _run_example(
+            "OpenEnv", run, redis_url, subprocess_env, tmp_path / "work",
+            edit=lambda line: line.replace("8000", port),
+        )  # fmt: skip
+        wait_for(
+            lambda: _status(subprocess_env, redis_url, run)["groups_completed"] >= 4,
+            "the 4 echo prompts to be scored",
+            120,
+            every=0.5,
+        )
+    finally:
+        _stop(r, run, procs)
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+    scores = [schema.SCORE.decode(f[b"p"]) for _, f in xrange_all(r, Keys(run).scored)]
+    assert len(scores) == 16
+    # the echo environment rewards 0.1 a character of each echoed word
+    expected = {"echo-hello": 1.0, "echo-redis": 1.2, "echo-grpo": 1.9, "echo-once": 0.7}
+    for s in scores:
+        assert s.reward == pytest.approx(expected[s.prompt_id]), s
+        assert s.info["server_state"]["step_count"] == s.components["steps"]
+
+
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)):
+        return True
+    return False

@@ -32,6 +32,7 @@ BUILTIN: dict[str, str] = {
 # their own to audit.
 ADAPTERS: dict[str, str] = {
     "chat": "streamrl.envs.chat:ChatEnv",
+    "openenv": "streamrl.envs.openenv:OpenEnvEnv",
 }
 
 
