@@ -5,7 +5,6 @@ against a private Redis, with real worker processes, and the scores they produce
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shlex
@@ -20,7 +19,6 @@ import pytest
 from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.local.pipeline import xrange_all
-from tests.support.cli import run_cli
 from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,9 +87,8 @@ def _stop(r, run: str, procs: list) -> None:
         p.wait(timeout=60)
 
 
-def _status(env: dict, redis_url: str, run: str) -> dict:
-    out = run_cli(["--redis", redis_url, "--run", run, "status", "--json"], env)
-    return json.loads(out.stdout)
+def _completed(r, run: str) -> int:
+    return int(r.hget(Keys(run).stats, "groups_completed") or 0)
 
 
 def test_trl_reward_functions_and_a_saved_dataset(redis_url, r, subprocess_env, tmp_path):
@@ -99,7 +96,7 @@ def test_trl_reward_functions_and_a_saved_dataset(redis_url, r, subprocess_env, 
     procs = _run_example("TRL reward functions", run, redis_url, subprocess_env, tmp_path)
     try:
         wait_for(
-            lambda: _status(subprocess_env, redis_url, run)["groups_completed"] >= 64,
+            lambda: _completed(r, run) >= 64,
             "the 64 prompts of easy_add to be scored",
             180,
             every=0.5,
@@ -146,7 +143,7 @@ def test_openenv_server_and_rollouts(redis_url, r, subprocess_env, tmp_path):
             edit=lambda line: line.replace("8000", port),
         )  # fmt: skip
         wait_for(
-            lambda: _status(subprocess_env, redis_url, run)["groups_completed"] >= 4,
+            lambda: _completed(r, run) >= 4,
             "the 4 echo prompts to be scored",
             120,
             every=0.5,

@@ -13,13 +13,12 @@ import pytest
 from streamrl.envs import EnvUnavailable, make_env
 from streamrl.envs.openenv import OpenEnvEnv
 from streamrl.schema import FunctionCall, Message, Task
-from tests.support.openenv_server import Server, echo_env, free_port
+from tests.support.openenv_server import free_port
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with Server(echo_env(tmp_path_factory.mktemp("openenv-unit"))) as s:  # capacity 1, as written
-        yield s
+@pytest.fixture
+def server(openenv_server):
+    return openenv_server  # one session at a time, as the template writes it
 
 
 def _task(i: int = 0) -> Task:

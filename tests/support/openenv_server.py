@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -53,17 +54,21 @@ def python() -> Path:
 
 
 def echo_env(where: Path) -> Path:
-    """``openenv init echo_env`` into ``where``: the package's template, unchanged."""
-    env_dir = where / ENV_NAME
-    if not (env_dir / "server" / "app.py").exists():
-        exe = python()
-        cli = exe.parent / "openenv"
+    """``openenv init echo_env`` into ``where``: the package's template, unchanged. The CLI
+    takes seconds to start, so its output is kept beside the virtualenv and copied."""
+    exe = python()
+    cached = exe.parent.parent / "streamrl-template" / ENV_NAME
+    if not (cached / "server" / "app.py").exists():
+        shutil.rmtree(cached.parent, ignore_errors=True)
+        cached.parent.mkdir(parents=True)
         subprocess.run(
-            [str(cli), "init", ENV_NAME, "--output-dir", str(where)],
+            [str(exe.parent / "openenv"), "init", ENV_NAME, "--output-dir", str(cached.parent)],
             check=True,
             capture_output=True,
             env={**os.environ, "PATH": f"{exe.parent}:{os.environ.get('PATH', '')}"},
         )
+    env_dir = where / ENV_NAME
+    shutil.copytree(cached, env_dir, dirs_exist_ok=True)
     return env_dir
 
 

@@ -1,5 +1,6 @@
 """A real OpenEnv server (the echo environment ``openenv init`` writes from openenv-core's own
-template, served by the package in a process of its own) through real rq workers.
+template, unchanged: one session at a time; served by the package in a process of its own,
+the ``openenv_server`` fixture) through real rq workers.
 
 Rollout work horses SIGKILL themselves inside the windows that matter (a session's reset
 answered and not yet checkpointed; a step applied and answered and not yet checkpointed: the
@@ -23,22 +24,10 @@ from streamrl.envs._failpoints import DIR_ENV, ENV, P_ENV, SEED_ENV
 from streamrl.local.pipeline import LocalPipeline, xrange_all
 from streamrl.producer.produce import Producer
 from streamrl.schema import FunctionCall
-from tests.support.openenv_server import Server, echo_env
+from tests.support.openenv_server import free_port
 
 WORDS = ["alpha", "be", "gamma", "delta", "ep", "zeta", "eta", "theta", "iota", "kappa"]
 PROMPTS = 8
-
-
-@pytest.fixture(scope="module")
-def echo_dir(tmp_path_factory):
-    """The template's environment; its app's ``max_concurrent_envs=1`` raised as the template's
-    own comment says ("increase this number to allow more concurrent WebSocket sessions")."""
-    env_dir = echo_env(tmp_path_factory.mktemp("openenv"))
-    app = env_dir / "server" / "app.py"
-    text = app.read_text()
-    assert "max_concurrent_envs=1," in text
-    app.write_text(text.replace("max_concurrent_envs=1,", "max_concurrent_envs=64,"))
-    return env_dir
 
 
 def _rows(path, seed: int = 0) -> list[float]:
@@ -71,22 +60,21 @@ def _config(run: str, url: str) -> RunConfig:
     )
 
 
-def _kill_run(echo_dir, redis_url, worker_env, tmp_path, run: str, **faults: str) -> tuple:
+def _kill_run(server, redis_url, worker_env, tmp_path, run: str, **faults: str) -> tuple:
     """One run of PROMPTS x 4 under the fault points; (kill sites, samples, accounting,
     dead letters, expected rewards)."""
     fault_dir = tmp_path / "faults"
     fault_dir.mkdir()
     env = {**worker_env, DIR_ENV: str(fault_dir), **faults}
     expected = _rows(tmp_path / "rows.jsonl")
-    with Server(echo_dir, log=tmp_path / "server.log") as server:
-        cfg = _config(run, server.url)
-        with LocalPipeline(cfg, url=redis_url, directory=tmp_path / "run", worker_env=env) as p:
-            Producer(p.r, cfg.run).from_jsonl(tmp_path / "rows.jsonl", "openenv", 4)
-            p.start_workers(rollout=1, verify=1)
-            p.wait_groups(PROMPTS, timeout=240)
-            acc = p.account({f"echo-{i}:{k}" for i in range(PROMPTS) for k in range(4)})
-            groups = [schema.GROUP.decode(f[b"p"]) for _, f in xrange_all(p.r, p.keys.groups)]
-            dead = list(xrange_all(p.r, p.keys.dead))
+    cfg = _config(run, server.url)
+    with LocalPipeline(cfg, url=redis_url, directory=tmp_path / "run", worker_env=env) as p:
+        Producer(p.r, cfg.run).from_jsonl(tmp_path / "rows.jsonl", "openenv", 4)
+        p.start_workers(rollout=1, verify=1)
+        p.wait_groups(PROMPTS, timeout=240)
+        acc = p.account({f"echo-{i}:{k}" for i in range(PROMPTS) for k in range(4)})
+        groups = [schema.GROUP.decode(f[b"p"]) for _, f in xrange_all(p.r, p.keys.groups)]
+        dead = list(xrange_all(p.r, p.keys.dead))
     # each kill's site: "<point> <task_id>/<session attempt>/<steps applied>/<call_id>"
     sites = sorted(x.read_text().split() for x in fault_dir.iterdir())
     return sites, [s for g in groups for s in g.samples], acc, dead, expected
@@ -113,11 +101,11 @@ def _check_each_step_once(samples, acc, dead, expected, why: str) -> int:
 
 @pytest.mark.timeout(400)
 def test_kills_after_a_reset_and_after_steps_apply_each_step_once(
-    echo_dir, redis_url, subprocess_env, tmp_path
+    openenv_server, redis_url, subprocess_env, tmp_path
 ):
     faults = {ENV: "after_open:1,after_tool_send:3"}
     sites, samples, acc, dead, expected = _kill_run(
-        echo_dir, redis_url, subprocess_env, tmp_path, "openenv-kills", **faults
+        openenv_server, redis_url, subprocess_env, tmp_path, "openenv-kills", **faults
     )
     why = f"kills {sites}; logs in {tmp_path}"
     assert [s[0] for s in sites].count("after_open") == 1, why
@@ -128,12 +116,12 @@ def test_kills_after_a_reset_and_after_steps_apply_each_step_once(
 
 @pytest.mark.timeout(400)
 def test_seeded_random_kills_replay_confirmed_steps_once(
-    echo_dir, redis_url, subprocess_env, tmp_path
+    openenv_server, redis_url, subprocess_env, tmp_path
 ):
     seed = int(os.environ.get("STREAMRL_KILL_SEED") or random.randrange(1 << 30))
     faults = {ENV: "*:4", P_ENV: "0.12", SEED_ENV: str(seed)}
     sites, samples, acc, dead, expected = _kill_run(
-        echo_dir, redis_url, subprocess_env, tmp_path, "openenv-random", **faults
+        openenv_server, redis_url, subprocess_env, tmp_path, "openenv-random", **faults
     )
     why = f"seed {seed} (rerun with STREAMRL_KILL_SEED={seed}); kills {sites}; logs in {tmp_path}"
     assert sites, why
@@ -141,12 +129,9 @@ def test_seeded_random_kills_replay_confirmed_steps_once(
 
 
 @pytest.mark.timeout(300)
-def test_a_server_that_is_down_dead_letters_and_never_scores(
-    echo_dir, redis_url, subprocess_env, tmp_path
-):
+def test_a_server_that_is_down_dead_letters_and_never_scores(redis_url, subprocess_env, tmp_path):
     _rows(tmp_path / "rows.jsonl")
-    server = Server(echo_dir, log=tmp_path / "server.log")  # given a port, never started
-    cfg = _config("openenv-down", server.url)
+    cfg = _config("openenv-down", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     cfg.group_size = 2
     with LocalPipeline(
         cfg, url=redis_url, directory=tmp_path / "run", worker_env=subprocess_env
