@@ -262,6 +262,12 @@ class _RowBatch:
             return
         self.first_use[pid] = i
         env = data.pop("env", self.env)
-        if self.standard_prompts and isinstance(row.get("prompt"), str) and "input" not in row:
+        if self.standard_prompts and _standard(row):
             data[STANDARD_PROMPT] = True
         self.tasks.append((i, _tasks(pid, env, self.group_size, inp, data, 0)))
+
+
+def _standard(row: dict[str, Any]) -> bool:
+    """A row whose prompt is a plain ``prompt`` string: TRL's standard form."""
+    other_prompt = "input" in row or "responses_create_params" in row
+    return isinstance(row.get("prompt"), str) and not other_prompt
