@@ -119,11 +119,11 @@ def test_openenv_server_and_rollouts(redis_url, r, subprocess_env, tmp_path):
     """The server block runs where openenv-core is installed (tests/support/openenv_server.py
     makes that environment); the example's port 8000 becomes a free one on this shared
     machine, in both blocks."""
-    from tests.support.openenv_server import free_port, python
+    from tests.support.openenv_server import free_port, python_or_skip
 
     port = str(free_port())
     server_cmd = _blocks("OpenEnv", "bash")[0].strip().replace("8000", port)
-    bin_dir = python().parent
+    bin_dir = python_or_skip().parent
     env = {**subprocess_env, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
     env.pop("PYTHONPATH", None)
     server = subprocess.Popen(
