@@ -62,3 +62,12 @@ def trainer_only(completions, completion_ids, trainer_state, log_metric, **kwarg
 
 async def async_length(completions, **kwargs):
     return [float(len(c)) for c in completions]
+
+
+def two_rewards(completions, **kwargs):
+    """Wrong: two rewards for one completion."""
+    return [1.0, 0.0]
+
+
+def not_a_number(completions, **kwargs):
+    return ["high" for _ in completions]

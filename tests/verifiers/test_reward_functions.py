@@ -116,6 +116,18 @@ def test_a_raise_propagates_and_is_never_a_zero():
     assert rf.score(*_sample("q", _say("x"), {"explode": False})).reward == 0.0
 
 
+@pytest.mark.parametrize(
+    ("func", "says"),
+    [
+        ("two_rewards", "returned 2 rewards for 1 completion"),
+        ("not_a_number", "returned str, not a number"),
+    ],
+)
+def test_answers_trl_would_refuse_are_failures(func, says):
+    with pytest.raises(ValueError, match=says):
+        RewardFunctions([f"{M}:{func}"]).score(*_sample("q", _say("x"), {}))
+
+
 def test_trainer_arguments_and_async_functions():
     rf = RewardFunctions([f"{M}:trainer_only", f"{M}:async_length"])
     v = rf.score(*_sample("q", _say("abc"), {}, ids=(1, 2, 3, 4), version=7))
