@@ -108,9 +108,28 @@ class RunConfig(_Cfg, kw_only=True):
     verify: VerifyConfig = msgspec.field(default_factory=VerifyConfig)
     streams: StreamConfig = msgspec.field(default_factory=StreamConfig)
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
+    # TRL-style reward functions that score the run instead of the environment's own verifier
+    # ("module:function", or a list of them), weighted as TRL's reward_weights (default: 1
+    # each); see streamrl.verifiers.reward_functions.
+    verifier: str | list[str] = msgspec.field(default_factory=list)
+    reward_weights: list[float] = msgspec.field(default_factory=list)
     # The [learner] table, validated by the learner itself (streamrl.learner.config.
     # LearnerConfig): importing it here would pull torch into every worker.
     learner: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.verifier, str):
+            self.verifier = [self.verifier] if self.verifier else []
+        if self.reward_weights and len(self.reward_weights) != len(self.verifier):
+            raise ValueError(
+                f"reward_weights has {len(self.reward_weights)} values for "
+                f"{len(self.verifier)} reward functions in verifier"
+            )
+
+    @property
+    def reward_functions(self) -> list[str]:
+        """``verifier`` as a list (a TOML file may give one string)."""
+        return [self.verifier] if isinstance(self.verifier, str) else list(self.verifier)
 
 
 RUN_CONFIG = msgspec.msgpack.Decoder(RunConfig)

@@ -182,6 +182,11 @@ def row_to_prompt(line: str | bytes) -> tuple[list[Item], dict[str, Any], str]:
     row keeps it among its fields too, with its type, for the server and for export) and
     ``env`` picks the environment for this row.
     """
+    return dict_to_prompt(parse_row(line))
+
+
+def parse_row(line: str | bytes) -> Any:
+    """A JSONL line as JSON (ValueError saying why not: not UTF-8, not JSON, too deep)."""
     if isinstance(line, bytes):
         try:
             line = line.decode("utf-8")
@@ -190,11 +195,15 @@ def row_to_prompt(line: str | bytes) -> tuple[list[Item], dict[str, Any], str]:
                 f"not UTF-8: byte 0x{line[e.start]:02x} at column {e.start + 1}"
             ) from None
     try:
-        row = json.loads(line)
+        return json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"not JSON: {e.msg} at column {e.colno}") from None
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
+
+
+def dict_to_prompt(row: Any) -> tuple[list[Item], dict[str, Any], str]:
+    """``row_to_prompt`` for a row already parsed (a JSONL line's, or a dataset's)."""
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
     row = dict(row)

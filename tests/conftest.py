@@ -75,3 +75,16 @@ def cluster_urls(redis_cluster, redis_url):
     """(data URL on the flushed cluster, control URL on the flushed plain Redis for rq)."""
     redis_cluster.flush()
     return redis_cluster.url, redis_url
+
+
+@pytest.fixture(scope="session")
+def openenv_server(tmp_path_factory):
+    """A real OpenEnv server, shared by the session's tests: the echo environment `openenv init`
+    writes from openenv-core's template, unchanged (one session at a time), served by the
+    package in its own process and virtualenv (tests/support/openenv_server.py)."""
+    from tests.support.openenv_server import Server, echo_env, python_or_skip
+
+    python_or_skip()
+    where = tmp_path_factory.mktemp("openenv")
+    with Server(echo_env(where), log=where / "server.log") as server:
+        yield server

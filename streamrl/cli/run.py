@@ -68,12 +68,37 @@ def up(c: Ctx, durable: bool) -> None:
 
 @click.command()
 @click.option("--env", "env_name", default=None, help="Environment (its generator).")
-@click.option("--dataset", type=click.Path(exists=True, dir_okay=False), help="JSONL rows.")
+@click.option(
+    "--dataset",
+    type=click.Path(exists=True),
+    help="Rows: JSONL, a `datasets` save_to_disk directory, .parquet or .arrow.",
+)
 @click.option(
     "--count",
     type=click.IntRange(min=1),
     default=None,
-    help="Prompts to push from the generator (with --dataset: read the first N lines).",
+    help="Prompts to push from the generator (with --dataset: read the first N rows).",
+)
+@click.option("--split", default=None, help="The split of a saved DatasetDict.")
+@click.option(
+    "--prompt-column",
+    default=None,
+    help="The dataset column holding the prompt (TRL's `prompt`: a string or chat messages).",
+)
+@click.option(
+    "--column",
+    "columns",
+    multiple=True,
+    metavar="NAME=COLUMN",
+    help="Read field NAME from dataset column COLUMN (repeatable; e.g. id=uid).",
+)
+@click.option(
+    "--verifier",
+    "verifiers",
+    multiple=True,
+    metavar="MODULE:FUNCTION",
+    help="A TRL-style reward function that scores the run (repeatable; weights in the "
+    "config's reward_weights).",
 )
 @click.option("--group-size", type=click.IntRange(min=1), default=None)
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -103,6 +128,10 @@ def produce(
     env_name,
     dataset,
     count,
+    split,
+    prompt_column,
+    columns,
+    verifiers,
     group_size,
     seed,
     config_path,
@@ -111,7 +140,8 @@ def produce(
     skip_policy_check,
     shards,
 ) -> None:
-    """Push tasks: prompts from an environment's generator, or rows of a JSONL file.
+    """Push tasks: prompts from an environment's generator, or the rows of a dataset (JSONL,
+    a `datasets` directory, Parquet, Arrow; bad rows are dead-lettered with where they are).
 
     Also stores the run's config, which the workers read. A restarted producer continues where
     the last one stopped: prompts are never pushed twice.
@@ -120,18 +150,20 @@ def produce(
     from streamrl.log import bind
     from streamrl.workers.context import consumer_name
 
-    flags = _ConfigFlags(env_name, group_size, env_options, backend, shards)
+    flags = _ConfigFlags(env_name, group_size, env_options, backend, shards, list(verifiers))
     cfg = _run_config(c, config_path, flags)
     if dataset is None and count is None:
         raise click.UsageError("give --count N (prompts from --env's generator) or --dataset")
     env = _runnable_env(cfg, skip_policy_check)
+    rows = _dataset_rows(dataset, split, prompt_column, columns, count) if dataset else None
     bind(run=c.run, role="producer", worker=consumer_name())
     r = c.client(resilient=True)
     eviction.check(r, "producer")
     _open_run(r, c.control(r), cfg, keep_stored_shards=shards is None and config_path is None)
     admission, producer = _admitted_producer(r, cfg)
-    if dataset:
-        res = producer.from_jsonl(dataset, cfg.env, cfg.group_size, limit=count)
+    if rows is not None:
+        standard = bool(cfg.verifier)  # reward functions get string prompts as strings
+        res = producer.from_rows(rows, cfg.env, cfg.group_size, standard_prompts=standard)
     else:
         res = producer.from_env(env, count, cfg.group_size, seed=seed, env_spec=cfg.env)
     admission.finish()
@@ -147,6 +179,7 @@ class _ConfigFlags:
     env_options: dict[str, Any]
     backend: str | None
     shards: int | None
+    verifiers: list[str]
 
     def apply(self, cfg: RunConfig) -> RunConfig:
         cfg.env = self.env or cfg.env
@@ -156,6 +189,8 @@ class _ConfigFlags:
             cfg.policy.backend = self.backend
         if self.shards:
             cfg.streams.shards = self.shards
+        if self.verifiers:
+            cfg.verifier = self.verifiers
         return validated(cfg)  # the flags are config fields too: the same checks as a file's
 
 
@@ -185,11 +220,22 @@ def _runnable_env(cfg: RunConfig, skip_policy_check: bool) -> Any:
     from streamrl.envs import make_env
     from streamrl.envs.registry import UnknownEnvironment
     from streamrl.policy import check_policy
+    from streamrl.verifiers.reward_functions import RewardFunctionError, RewardFunctions
 
     try:
         env = make_env(cfg.env, **cfg.env_options)
     except (UnknownEnvironment, ValueError, TypeError) as e:
         raise click.ClickException(str(e)) from None
+    if cfg.verifier:
+        try:
+            RewardFunctions(cfg.reward_functions, cfg.reward_weights)
+        except RewardFunctionError as e:
+            raise click.ClickException(str(e)) from None
+    elif cfg.env == "chat":
+        raise click.ClickException(
+            "environment 'chat' is scored by reward functions: give --verifier MODULE:FUNCTION "
+            "(or verifier = ... in the config)"
+        )
     if not skip_policy_check:
         try:
             check_policy(cfg.policy)
@@ -201,6 +247,24 @@ def _runnable_env(cfg: RunConfig, skip_policy_check: bool) -> Any:
             )
             raise click.ClickException(f"{e}{hint}") from None
     return env
+
+
+def _dataset_rows(
+    path: str, split: str | None, prompt: str | None, pairs: tuple[str, ...], limit: int | None
+) -> Any:
+    """The dataset's rows with its columns mapped (``--prompt-column``, ``--column``)."""
+    from streamrl.producer.datasets import DatasetError, open_rows
+
+    columns = {"prompt": prompt} if prompt and prompt != "prompt" else {}
+    for pair in pairs:
+        name, sep, column = pair.partition("=")
+        if not sep or not name or not column:
+            raise click.BadParameter(f"expected NAME=COLUMN, got {pair!r}", param_hint="--column")
+        columns[name] = column
+    try:
+        return open_rows(path, columns, split=split, limit=limit)
+    except (DatasetError, OSError) as e:
+        raise click.ClickException(str(e)) from None
 
 
 def _open_run(r: Any, control: Any, cfg: RunConfig, keep_stored_shards: bool) -> None:

@@ -27,6 +27,15 @@ BUILTIN: dict[str, str] = {
 }
 
 
+# Adapters: environments whose prompts and scoring come from elsewhere (a dataset and the run's
+# reward functions, another package's environments), so they have no generator or verifier of
+# their own to audit.
+ADAPTERS: dict[str, str] = {
+    "chat": "streamrl.envs.chat:ChatEnv",
+    "openenv": "streamrl.envs.openenv:OpenEnvEnv",
+}
+
+
 class UnknownEnvironment(LookupError):
     pass
 
@@ -50,7 +59,7 @@ def _load(path: str) -> type[Environment]:
 
 
 def available() -> dict[str, str]:
-    found = dict(BUILTIN)
+    found = {**BUILTIN, **ADAPTERS}
     for ep in entry_points(group=_ENTRY_POINT_GROUP):
         found.setdefault(ep.name, ep.value)
     return found

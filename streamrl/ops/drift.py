@@ -17,10 +17,13 @@ from typing import Any
 import redis
 
 from streamrl import schema
+from streamrl.bus.keys import Keys
 from streamrl.bus.shards import run_shards
 from streamrl.bus.streams import xrange_all
 from streamrl.envs import Environment, make_env
 from streamrl.responses import items_from_json
+from streamrl.verifiers.reward_functions import RewardFunctions
+from streamrl.workers.context import read_config
 from streamrl.workers.verify import VerifyFailure, verify_one
 
 _Pairs = Iterator[tuple[schema.Trajectory, schema.Score]]
@@ -49,7 +52,11 @@ def drift_report(
             env = envs[traj.env] = make_env(traj.env, **(env_options or {}))
         return env
 
-    return {"run": run, **_compare(stored(), env_for, limit, timeout_s)}
+    cfg = read_config(r.get(Keys(run).config))
+    rewards = None  # a run scored by TRL-style reward functions is re-scored by them
+    if cfg is not None and cfg.verifier:
+        rewards = RewardFunctions(cfg.reward_functions, cfg.reward_weights)
+    return {"run": run, **_compare(stored(), env_for, limit, timeout_s, rewards)}
 
 
 def _compare(
@@ -57,6 +64,7 @@ def _compare(
     env_for: Callable[[schema.Trajectory], Environment],
     limit: int | None = None,
     timeout_s: float = 10.0,
+    rewards: RewardFunctions | None = None,
 ) -> dict[str, Any]:
     """Re-score each (trajectory, old score) and count, per (old verifier -> new verifier),
     how many rewards moved and by how much."""
@@ -69,11 +77,11 @@ def _compare(
             break
         seen += 1
         env = env_for(traj)
-        name, version = env.verifier_id
+        name, version = rewards.verifier_id if rewards is not None else env.verifier_id
         row = rows[(old.verifier, old.verifier_version, name, version)]
         row["samples"] += 1
         try:
-            new = verify_one(env, traj, timeout_s, retries=0)
+            new = verify_one(env, traj, timeout_s, retries=0, rewards=rewards)
         except VerifyFailure as e:
             row["failed"] += 1
             if len(row["examples"]) < 5:

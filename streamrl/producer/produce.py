@@ -23,8 +23,10 @@ from streamrl.bus.keys import Keys, shard_keys, shard_of
 from streamrl.bus.shards import shard_count
 from streamrl.bus.streams import Scripts
 from streamrl.envs import Environment
-from streamrl.producer.rows import default_id, read_rows, row_id
-from streamrl.responses import row_to_prompt
+from streamrl.producer.datasets import JsonlRows, Rows
+from streamrl.producer.rows import read_rows
+from streamrl.responses import dict_to_prompt
+from streamrl.verifiers.reward_functions import STANDARD_PROMPT
 
 BATCH = 256
 
@@ -166,39 +168,54 @@ class Producer:
         of the wrong shape, an id used by an earlier row) goes to the dead-letter stream with
         its line number and reason; every other row is pushed."""
         path = Path(path)
-        source = f"file:{path.resolve()}"
-        res = ProduceResult(source)
-        pos = self.position(source)
+        rows = JsonlRows(path, f"file:{path.resolve()}", {}, list(read_rows(path))[:limit])
+        return self.from_rows(rows, env, group_size, progress)
+
+    def from_rows(
+        self,
+        rows: Rows,
+        env: str,
+        group_size: int,
+        progress: Callable[[int], None] | None = None,
+        standard_prompts: bool = False,
+    ) -> ProduceResult:
+        """Push one prompt per row of a dataset (``producer.datasets.open_rows``: JSONL, a
+        saved ``datasets`` directory, Parquet, Arrow); bad rows are dead-lettered with where
+        they are and why, as ``from_jsonl`` does. ``standard_prompts``: mark rows whose prompt
+        is a string (TRL's standard form), so the run's reward functions are given strings."""
+        res = ProduceResult(rows.source)
+        pos = self.position(rows.source)
         res.skipped = pos
-        rows = list(read_rows(path))[:limit]
-        first_use: dict[str, int] = {}  # prompt id -> line number (0-based) of its first row
-        for line_no in range(pos):  # rows pushed by an earlier producer keep their ids
-            with contextlib.suppress(ValueError):
-                first_use.setdefault(row_id(rows[line_no], path, line_no), line_no)
+        step = max(1, self.batch_samples // group_size)
+        first_use: dict[str, int] = {}  # prompt id -> index of its first row
+        for start in range(0, pos, step):  # rows pushed by an earlier producer keep their ids
+            for i, row in enumerate(rows.fetch(start, min(pos, start + step)), start):
+                with contextlib.suppress(ValueError):
+                    first_use.setdefault(_row_id(row, rows, i), i)
         while pos < len(rows):
-            end = min(len(rows), pos + max(1, self.batch_samples // group_size))
-            rows_in = _RowBatch(path, env, group_size, first_use)
-            for line_no in range(pos, end):
-                rows_in.add(line_no, rows[line_no])
-            pushed, shards = self._push(source, pos, end, rows_in.tasks)
+            end = min(len(rows), pos + step)
+            rows_in = _RowBatch(rows, env, group_size, first_use, standard_prompts)
+            for i, row in enumerate(rows.fetch(pos, end), pos):
+                rows_in.add(i, row)
+            pushed, shards = self._push(rows.source, pos, end, rows_in.tasks)
             res.prompts += pushed // group_size
             res.samples += pushed
             res.rejected += self._reject_rows(rows_in.rejects, rows, shards)
-            pos = self.position(source)
+            pos = self.position(rows.source)
             if progress:
                 progress(pos)
         res.position = pos
         return res
 
     def _reject_rows(
-        self, rejects: list[tuple[int, str]], rows: list[bytes], pushed_to: set[int]
+        self, rejects: list[tuple[int, str]], rows: Rows, pushed_to: set[int]
     ) -> list[str]:
         """Dead-letter the bad rows of the shards this producer's push covered (a shard
         another producer pushed first has its bad rows dead-lettered by that one)."""
         n = len(self.shards)
         mine = [(line_no, why) for line_no, why in rejects if shard_of(line_no, n) in pushed_to]
         for line_no, reason in mine:
-            self._reject(reason, rows[line_no], self.shards[shard_of(line_no, n)])
+            self._reject(reason, rows.raw(line_no), self.shards[shard_of(line_no, n)])
         return [reason for _, reason in mine]
 
     def _reject(self, reason: str, raw: bytes, keys: Keys) -> None:
@@ -209,30 +226,48 @@ class Producer:
         self.r.hincrby(keys.stats, "dead_letters", 1)
 
 
+def _row_id(row: Any, rows: Rows, i: int) -> str:
+    """The prompt id row ``i`` gets (its own, or the default); ValueError for a bad row."""
+    if isinstance(row, ValueError):
+        raise row
+    return dict_to_prompt(row)[2] or rows.default_id(i)
+
+
 @dataclass
 class _RowBatch:
-    """One batch of a JSONL file's rows: the samples of the good ones and why the bad ones
-    were refused (``<file>:<line>: why``)."""
+    """One batch of a dataset's rows: the samples of the good ones and why the bad ones were
+    refused (``<where>: why``)."""
 
-    path: Path
+    rows: Rows
     env: str
     group_size: int
-    first_use: dict[str, int]  # prompt id -> line of its first row, shared across batches
+    first_use: dict[str, int]  # prompt id -> index of its first row, shared across batches
+    standard_prompts: bool = False
     tasks: list[tuple[int, list[schema.Task]]] = field(default_factory=list)
     rejects: list[tuple[int, str]] = field(default_factory=list)
 
-    def add(self, line_no: int, row: bytes) -> None:
-        if not row.strip():
+    def add(self, i: int, row: Any) -> None:
+        if row is None:  # a blank line
             return
         try:
-            inp, data, pid = row_to_prompt(row)
-            pid = pid or default_id(self.path, line_no)
+            if isinstance(row, ValueError):
+                raise row
+            inp, data, pid = dict_to_prompt(row)
+            pid = pid or self.rows.default_id(i)
             if pid in self.first_use:
-                first = self.first_use[pid] + 1
-                raise ValueError(f"id {pid!r} is already used on line {first}")
+                first = self.rows.place(self.first_use[pid])
+                raise ValueError(f"id {pid!r} is already used on {first}")
         except ValueError as e:
-            self.rejects.append((line_no, f"{self.path.name}:{line_no + 1}: {e}"))
+            self.rejects.append((i, f"{self.rows.where(i)}: {e}"))
             return
-        self.first_use[pid] = line_no
+        self.first_use[pid] = i
         env = data.pop("env", self.env)
-        self.tasks.append((line_no, _tasks(pid, env, self.group_size, inp, data, 0)))
+        if self.standard_prompts and _standard(row):
+            data[STANDARD_PROMPT] = True
+        self.tasks.append((i, _tasks(pid, env, self.group_size, inp, data, 0)))
+
+
+def _standard(row: dict[str, Any]) -> bool:
+    """A row whose prompt is a plain ``prompt`` string: TRL's standard form."""
+    other_prompt = "input" in row or "responses_create_params" in row
+    return isinstance(row.get("prompt"), str) and not other_prompt

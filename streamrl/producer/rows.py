@@ -6,8 +6,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from streamrl.responses import row_to_prompt
-
 
 def read_rows(path: Path) -> Iterator[bytes]:
     """The file's lines as bytes: each one is decoded on its own, so that one bad byte costs
@@ -22,8 +20,3 @@ def read_rows(path: Path) -> Iterator[bytes]:
 def default_id(path: Path, line_no: int) -> str:
     """The prompt id of a row that names none: the file's stem and its 1-based line number."""
     return f"{path.stem}-{line_no + 1:07d}"
-
-
-def row_id(line: bytes, path: Path, line_no: int) -> str:
-    """The prompt id a row gets (its own, or ``default_id``); ValueError for a bad row."""
-    return row_to_prompt(line)[2] or default_id(path, line_no)

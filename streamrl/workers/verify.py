@@ -41,6 +41,7 @@ from streamrl.defaults import (
 from streamrl.envs import Environment, SampleMasked, make_env
 from streamrl.http import RetryPolicy
 from streamrl.verifiers.deadline import VerifierTimeout, deadline
+from streamrl.verifiers.reward_functions import RewardFunctions
 from streamrl.workers import leases
 from streamrl.workers.context import consumer_name, control_connection, read_config
 
@@ -52,23 +53,31 @@ class VerifyFailure(Exception):
 
 
 def verify_one(
-    env: Environment, traj: schema.Trajectory, timeout_s: float, retries: int
+    env: Environment,
+    traj: schema.Trajectory,
+    timeout_s: float,
+    retries: int,
+    rewards: RewardFunctions | None = None,
 ) -> schema.Score:
     """Score a trajectory, or raise VerifyFailure saying why it could not be scored. Any
     error (a timeout, a crash, a non-finite reward) is worth another attempt, at once; a
-    sample the environment masked (``SampleMasked``) is raised as it is, not retried."""
-    name, version = env.verifier_id
+    sample the environment masked (``SampleMasked``) is raised as it is, not retried.
+    ``rewards``: the run's TRL-style reward functions, which score instead of ``env``."""
+    name, version = rewards.verifier_id if rewards is not None else env.verifier_id
     task = traj.task()
     masked: list[SampleMasked] = []
 
     def attempt() -> schema.Score | None:
         with deadline(timeout_s):
-            state = env.decode_state(traj.state)
-            try:
-                verdict = env.verify(task, traj, state)
-            except SampleMasked as e:  # the environment's verdict on its own score: no retry
-                masked.append(e)
-                return None
+            if rewards is not None:
+                verdict = rewards.score(task, traj)
+            else:
+                state = env.decode_state(traj.state)
+                try:
+                    verdict = env.verify(task, traj, state)
+                except SampleMasked as e:  # the environment's verdict on its own score: no retry
+                    masked.append(e)
+                    return None
         reward = float(verdict.reward)
         if reward != reward or reward in (float("inf"), float("-inf")):
             raise ValueError(f"verifier returned a non-finite reward {reward}")
@@ -123,6 +132,7 @@ class _VerifyLease:
         self.seconds = seconds
         self.scripts = Scripts(r)
         self.envs: dict[str, Environment] = {}
+        self._rewards: RewardFunctions | None = None
         self.cursor = "0-0"
         self.counts = {"scored": 0, "duplicates": 0, "dead_lettered": 0, "lost_claim": 0}
 
@@ -132,6 +142,14 @@ class _VerifyLease:
             opts = self.config.env_options if name == self.config.env else {}
             env = self.envs[name] = make_env(name, **opts)
         return env
+
+    def _reward_functions(self) -> RewardFunctions | None:
+        """The run's reward functions (``verifier``), loaded on first use; None: each
+        environment verifies its own trajectories."""
+        if self._rewards is None and self.config.verifier:
+            cfg = self.config
+            self._rewards = RewardFunctions(cfg.reward_functions, cfg.reward_weights)
+        return self._rewards
 
     def _claim(self, own: bool, count: int) -> list[Entry]:
         args = claim_args(
@@ -194,11 +212,12 @@ class _VerifyLease:
                 continue
             try:
                 env = self._env(traj.env)
-                score = verify_one(env, traj, cfg.verify.timeout_s, cfg.verify.retries)
+                rewards = self._reward_functions()
+                score = verify_one(env, traj, cfg.verify.timeout_s, cfg.verify.retries, rewards)
             except SampleMasked as err:  # an environment failure, by its kind
                 failed.append(self._failure(e, str(err), traj, f"{MASKED}{err.kind}"))
                 continue
-            except Exception as err:  # VerifyFailure, or an environment that cannot load
+            except Exception as err:  # VerifyFailure; an environment, a function that cannot load
                 failed.append(self._failure(e, str(err), traj))
                 continue
             score.rollout_id = e.id
