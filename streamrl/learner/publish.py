@@ -11,9 +11,11 @@ Layout (``<output_dir>/policy/``)::
 
 A version directory is written as ``.tmp-v3-…``, fsynced and renamed, so a backend that sees
 ``v3/`` sees all of it. The announcement is a ``PolicyVersion`` (msgpack, field ``p``) on
-``keys.policy``. Publishing is idempotent: after a crash the learner replays its last steps
-and may publish a version again; an existing directory is kept and a version the stream
-already announced is not announced twice.
+``keys.policy``, with the sha256 of every file of the directory (``digests``), read back from
+disk after the rename: rollout workers refuse files that do not match. Publishing is
+idempotent: after a crash the learner replays its last steps and may publish a version again;
+an existing directory is kept and a version the stream already announced is not announced
+twice.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.learner._failpoints import failpoint
 from streamrl.learner.checkpoint import fsync_path
+from streamrl.policy.integrity import digest_dir
 
 _TMP_PREFIX = ".tmp-"
 
@@ -106,6 +109,7 @@ def publish(
         path=str(path.resolve()),
         format="lora" if lora else "safetensors",
         created_at=schema.now(),
+        digests=digest_dir(path),
     )
     _announce(r, keys, pv)
     failpoint("after_announce", step)
