@@ -118,6 +118,7 @@ class _RolloutLease:
             self.consumer,
             [(entry, dead_letter(entry, "rollout", reason), b"")],
             with_session=True,
+            done_ttl_s=self.config.streams.group_done_ttl_s,
         )
         done = await self.scripts.deadletter(keys=keys, args=args)
         if done and done[0]:
