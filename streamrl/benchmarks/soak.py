@@ -2,13 +2,16 @@
 seconds, and a sample every ``sample_s`` of what leaks show in: worker and learner RSS, open
 file descriptors, Redis keys and ``used_memory``, and throughput.
 
-The workload is ``bench chaos``'s (the multi-turn ``counter`` environment, a scripted policy
-that never answers wrong, short leases) with a ``streamrl learn`` process reading, accounting
-and acking every group (scripted turns carry no tokens, so it takes no gradient steps: its RSS
-is the reading loop's, not training's). Prompts are pushed whenever the backlog runs low, so
-the run is busy throughout; streams are trimmed with a short retention (``retention_s``), so a
-healthy run's Redis levels off within a minute. The groups stream is read as it is written, so
-that "every prompt exactly once" is checked over the whole run even though it is trimmed.
+The workload is ``bench chaos``'s (the multi-turn ``counter`` environment, a scripted policy,
+short leases) with a ``streamrl learn`` process training the tiny model on every group: the
+scripted turns carry token ids (option ``token_vocab``) and a quarter of the answers are wrong,
+so groups have signal and the learner steps, publishes and checkpoints as a real one does (a
+learner that takes no step acks nothing, and the groups stream would grow for ever). Prompts
+are pushed whenever the backlog runs low, so the run is busy throughout; streams are trimmed
+with a short retention (``retention_s``) and finished-group markers expire after
+``group_done_ttl_s``, so a healthy run's Redis levels off within minutes. The groups stream is
+read as it is written, so that "every prompt exactly once" is checked over the whole run even
+though it is trimmed.
 
 Verdict: for each series, the least-squares slope over the second half of the samples (the
 first half is warm-up: caches, retention windows, rq registries filling), extrapolated to one
@@ -44,6 +47,8 @@ from streamrl.local.procs import descendants
 from streamrl.producer.produce import Producer
 
 RUN = "soak"
+_TINY_VOCAB = 24  # streamrl.models.tiny: the scripted turns' token ids stay inside it
+_NEVER_STALE = 10**6  # the scripted policy serves version 0 for ever: its groups must count
 # growth per hour allowed whatever the mean (second half of the run, least squares)
 FLOORS = {
     "worker_rss_mib": 32.0,  # the sum over live worker processes (mains and horses)
@@ -138,8 +143,13 @@ class _Soak(_Chaos):
             env="counter",
             env_options={"steps": c.steps},
             group_size=c.group_size,
-            policy=PolicyConfig(latency_s=c.latency_s, wrong_rate=0.0, malformed_rate=0.0),
-            rollout=RolloutConfig(lease_seconds=c.lease_seconds, max_concurrent=c.max_concurrent),
+            policy=PolicyConfig(
+                latency_s=c.latency_s, wrong_rate=0.25, options={"token_vocab": _TINY_VOCAB}
+            ),
+            rollout=RolloutConfig(
+                lease_seconds=c.lease_seconds, max_concurrent=c.max_concurrent, max_policy_lag_s=0
+            ),
+            learner={"max_staleness": _NEVER_STALE},
             verify=VerifyConfig(lease_seconds=c.lease_seconds),
             streams=StreamConfig(
                 claim_idle_ms=c.claim_idle_ms,
@@ -181,6 +191,7 @@ class _Soak(_Chaos):
         config.write_text(
             f'[learner]\nmodel = "{model}"\noutput_dir = "{self.dir / "learner"}"\n'
             'device = "cpu"\ntorch_threads = 1\nbatch_groups = 4\nblock_ms = 200\n'
+            f"max_staleness = {_NEVER_STALE}\n"
         )
         argv = [sys.executable, "-m", "streamrl.cli", "--redis", self.server.url]
         argv += ["--run", RUN, "learn", "--config", str(config)]
