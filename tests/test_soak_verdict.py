@@ -16,7 +16,7 @@ def _samples(shape) -> list[dict]:
     for i in range(360):  # an hour, every 10 s
         t = 10.0 * i
         row = {name: shape(t) for name in FLOORS}
-        row.update(t_s=t, groups_per_s=7.0)
+        row.update(t_s=t, groups_per_s=7.0, redis_keys=shape(t))
         out.append(row)
     return out
 
@@ -32,7 +32,7 @@ def test_levelling_off_passes_and_steady_growth_fails():
     noisy = judge(_samples(lambda t: 300 + (25 if int(t / 10) % 2 else -25)))
     assert all(v["flat"] for v in levels.values())
     assert not any(grows[name]["flat"] for name in FLOORS if FLOORS[name] < 60 * 0.9)
-    assert grows["redis_keys"]["flat"]  # +60/h is under the keys' floor of 200/h
+    assert grows["redis_keys_no_ttl"]["flat"]  # +60/h is under the keys' floor of 100/h
     assert all(v["flat"] for v in noisy.values())
 
 
