@@ -70,6 +70,9 @@ class StreamConfig(_Cfg, kw_only=True):
     max_deliveries: AtLeastOne = d.MAX_DELIVERIES
     retention_ms: Annotated[int, msgspec.Meta(ge=0)] = d.RETENTION_MS
     block_ms: AtLeastOne = d.READ_BLOCK_MS  # 0 would block for ever
+    # how long a finished group's marker stays (it turns away late duplicate scores); Redis
+    # holds about rate x this many markers (a small hash each)
+    group_done_ttl_s: AtLeastOne = d.GROUP_DONE_TTL_S
     # split the run's streams into this many shards, each its own hash tag {run:s}, so that
     # a Redis Cluster spreads the run over its nodes (streamrl.bus.keys); 1: no shards
     shards: Annotated[int, msgspec.Meta(ge=1, le=d.MAX_SHARDS)] = 1

@@ -28,7 +28,12 @@ import redis.asyncio.retry
 import redis.cluster
 import structlog
 from redis.backoff import ExponentialBackoff, NoBackoff
-from redis.exceptions import ClusterDownError, RedisClusterException, SlotNotCoveredError
+from redis.exceptions import (
+    ClusterDownError,
+    OutOfMemoryError,
+    RedisClusterException,
+    SlotNotCoveredError,
+)
 from redis.retry import Retry
 
 from streamrl.defaults import (
@@ -42,7 +47,10 @@ T = TypeVar("T")
 _log = structlog.get_logger("streamrl.connection")
 
 
-RETRY_ON = (redis.ConnectionError, redis.TimeoutError)
+# OOM: a Redis at its maxmemory under noeviction refuses writes that may grow memory; a refused
+# command did nothing (a script is refused at its first such write, before any other: Redis
+# lets a script that has written go on), so re-sending it once memory frees is safe
+RETRY_ON = (redis.ConnectionError, redis.TimeoutError, OutOfMemoryError)
 # what a Redis Cluster client raises while a master is down and until its replica has taken
 # over: refused connections, CLUSTERDOWN, a slot no live master serves, no startup node that
 # answers; every other RedisClusterException (cross-slot keys, bad arguments) is a bug to raise

@@ -217,12 +217,18 @@ class Group(msgspec.Struct, array_like=True):
 
 
 class PolicyVersion(_Base, kw_only=True):
+    """One announced policy version. ``digests`` maps each file under ``path`` (relative name)
+    to its sha256 hex digest; a rollout worker refuses files that do not match
+    (``streamrl.policy.integrity``). Empty in announcements older than the field: loaded
+    unchecked."""
+
     v: int = SCHEMA_VERSION
     version: int
     step: int = 0
     path: str = ""
     format: Literal["safetensors", "lora", "none"] = "safetensors"
     created_at: float = 0.0
+    digests: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class WorkerPolicy(_Base, kw_only=True):

@@ -107,10 +107,11 @@ def deadletter_call(
     consumer: str,
     items: Sequence[tuple[Entry, bytes, bytes]],
     with_session: bool,
+    done_ttl_s: int = GROUP_DONE_TTL_S,
 ) -> tuple[list[str], list[Any]]:
     """Keys and args of DEADLETTER for (entry, dead-letter blob, failure-score blob or b'')."""
     ks = [stream, keys.dead, keys.scored, keys.stats]
-    args: list[Any] = [group, consumer, GROUP_DONE_TTL_S]
+    args: list[Any] = [group, consumer, done_ttl_s]
     for e, dl, score in items:
         tid = e.task_id or e.id
         ks += [keys.session(tid) if with_session else keys.key("none"), keys.group(_prompt_of(tid))]

@@ -171,6 +171,47 @@ def bench_chaos(
     report(res, as_json, failed=not clean(res))
 
 
+@bench.command("soak")
+@click.option("--minutes", type=click.FloatRange(min=0.5), default=60.0, show_default=True)
+@click.option(
+    "--kill-every-s",
+    type=click.FloatRange(min=0.5),
+    default=5.0,
+    show_default=True,
+    help="Mean gap between worker SIGKILLs.",
+)
+@click.option("--sample-s", type=click.FloatRange(min=1), default=10.0, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Draw the samples to this PNG (needs matplotlib: the bench extra).",
+)
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Keep the run here (worker and learner logs); default: a temporary directory.",
+)
+@click.option("--json", "as_json", is_flag=True)
+def bench_soak(minutes, kill_every_s, sample_s, seed, plot_path, directory, as_json):
+    """Run the scripted pipeline with a learner for MINUTES, SIGKILL a worker every few
+    seconds, and sample RSS, open fds, Redis keys and used_memory, and throughput every
+    SAMPLE_S. Exits 1 if a series keeps growing or a prompt is lost or doubled."""
+    from streamrl.benchmarks.soak import SoakConfig, plot, soak_bench
+
+    cfg = SoakConfig(minutes=minutes, kill_every_s=kill_every_s, sample_s=sample_s, seed=seed)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    res = soak_bench(cfg, directory=directory, progress=_progress(as_json))
+    if plot_path:
+        res["plot"] = str(plot(res, plot_path))
+    report(res, as_json, failed=not res["ok"])
+
+
 @bench.command("vs-trl")
 @click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option(

@@ -16,6 +16,7 @@ from streamrl.bus.eviction import EvictingRedis
 from streamrl.bus.health import RunFaulted
 from streamrl.connection import check_url, connect, redact, resolve_url
 from streamrl.defaults import DEFAULT_RUN, RUN_DIR
+from streamrl.learner.checkpoint import CheckpointFailed
 from streamrl.learner.config import load_learner_config
 from streamrl.learner.distributed import launch, world_size
 from streamrl.learner.loop import run_learner
@@ -106,7 +107,7 @@ def learn_command(
         sys.exit(launch(nproc, args))
     try:
         state = run_learner(resolved, run, cfg, exit_when_idle=exit_when_idle, shards=shards)
-    except (ValueError, RunFaulted, EvictingRedis) as e:  # also when torchrun runs this directly
+    except (ValueError, RunFaulted, EvictingRedis, CheckpointFailed) as e:  # torchrun's too
         raise click.ClickException(str(e)) from None
     if int(os.environ.get("RANK", "0")) == 0:
         click.echo(msgspec.json.encode(state).decode())

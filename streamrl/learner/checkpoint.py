@@ -15,8 +15,10 @@ one wins; older ones beyond ``keep`` are deleted.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import resource
 import shutil
 import sys
 from pathlib import Path
@@ -142,6 +144,25 @@ def _set_rng_state(state: dict) -> None:
         numpy.random.set_state(state["numpy"])
 
 
+class CheckpointFailed(RuntimeError):
+    """A checkpoint could not be written (disk full, file too large): the learner stops,
+    with nothing acked past the last complete checkpoint."""
+
+
+def write_failure(e: BaseException, directory: Path) -> str:
+    """Why a write under ``directory`` failed, in one line. torch.save and safetensors hide
+    the OS error (``unexpected pos …``, ``I/O error``), so the free space and the process's
+    file size limit are added: what an operator needs to see a full disk."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    parts = [f"{type(e).__name__}: {text}"]
+    with contextlib.suppress(OSError):
+        parts.append(f"{shutil.disk_usage(directory).free / 2**20:.1f} MiB free there")
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        parts.append(f"file size limit {limit} bytes")
+    return "; ".join(parts)
+
+
 def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -163,14 +184,23 @@ def save_checkpoint(
     tmp = directory / f"{_TMP_PREFIX}{name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
-    torch.save(_trainable_state(model), tmp / "weights.pt")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(_rng_state(), tmp / "rng.pt")
-    (tmp / "state.json").write_bytes(msgspec.json.encode(state))
-    for f in tmp.iterdir():
-        fsync_path(f)
-    fsync_path(tmp)
+    try:
+        tmp.mkdir()
+        torch.save(_trainable_state(model), tmp / "weights.pt")
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(_rng_state(), tmp / "rng.pt")
+        (tmp / "state.json").write_bytes(msgspec.json.encode(state))
+        for f in tmp.iterdir():
+            fsync_path(f)
+        fsync_path(tmp)
+    except Exception as e:  # a full disk, whatever torch.save makes of it
+        shutil.rmtree(tmp, ignore_errors=True)
+        last = latest_checkpoint(directory)
+        raise CheckpointFailed(
+            f"checkpoint of step {state.step} not written ({write_failure(e, directory)}); "
+            f"the last complete checkpoint is {last.name if last else 'none'} in {directory}, "
+            "a restart resumes from it"
+        ) from e
     failpoint("mid_checkpoint", state.step)
     old = None
     if final.exists():  # the same step written again: move the old one aside, never delete first

@@ -14,7 +14,9 @@ so a learner killed at any moment and restarted ends with bitwise the same weigh
 
 Faults. When the run's fault key is set (a rollout worker stuck on an old policy, see
 ``streamrl.bus.health``), the learner checkpoints what it has and stops with ``RunFaulted``: one
-line with the reason, exit status 1 from ``streamrl learn``.
+line with the reason, exit status 1 from ``streamrl learn``. A full disk: a policy version that
+cannot be written is skipped (nothing announced), a checkpoint that cannot be written stops the
+learner with ``CheckpointFailed`` (nothing acked past the last complete one).
 
 Verdicts. Zero-variance groups are solved or have no signal (``streamrl.learner.outcomes``).
 With ``stop_when_solved`` the learner stops once the task is solved: it publishes and
@@ -51,15 +53,15 @@ from streamrl.connection import connect
 from streamrl.learner import publish
 from streamrl.learner._failpoints import failpoint
 from streamrl.learner.batch import has_tokens, is_zero_variance, make_batch, staleness
-from streamrl.learner.checkpoint import Counters, LearnerState, save_checkpoint
+from streamrl.learner.checkpoint import CheckpointFailed, Counters, LearnerState, save_checkpoint
 from streamrl.learner.config import LearnerConfig
-from streamrl.learner.distributed import DataParallel, Trainer, follow
+from streamrl.learner.distributed import DataParallel, Trainer
 from streamrl.learner.losses import adapt_entropy_coef
 from streamrl.learner.mismatch import StepLog, weights_version
 from streamrl.learner.outcomes import NO_SIGNAL, SOLVED, Outcomes
 from streamrl.learner.reader import GroupsReader, Ref, resolve_shards
 from streamrl.learner.report import Reporters, make_reporters, step_scalars
-from streamrl.learner.setup import load_training, start_process
+from streamrl.learner.setup import load_training, run_follower, start_process
 from streamrl.learner.train import StepStats, train_step
 from streamrl.workers.context import read_config
 
@@ -84,10 +86,15 @@ def run_learner(
     stop = stop or threading.Event()
     cfg, dp = start_process(config, run, stop)
     if dp is not None and not dp.leader:
-        return _follower(dp, cfg, run)
+        return run_follower(dp, cfg, run)
     lrn = _open(url, run, cfg, dp, shards)
-    lrn.redo_pending()
-    fault = _train(lrn, stop, exit_when_idle)
+    try:
+        lrn.redo_pending()
+        fault = _train(lrn, stop, exit_when_idle)
+    except CheckpointFailed as e:  # a full disk: stop, acking nothing past the last checkpoint
+        log.error(str(e))
+        _close(lrn, dp, None, failed=True)
+        raise
     _close(lrn, dp, fault)
     if fault is not None:
         raise health.RunFaulted(health.one_line(fault))
@@ -147,36 +154,26 @@ def _train(lrn: _Learner, stop: threading.Event, exit_when_idle: float | None) -
     return None
 
 
-def _close(lrn: _Learner, dp: DataParallel | None, fault: str | None) -> None:
-    """Checkpoint (and ack) the last steps, stop the other ranks, say why we stopped."""
+def _close(lrn: _Learner, dp: DataParallel | None, fault: str | None, failed: bool = False):
+    """Checkpoint (and ack) the last steps (unless a checkpoint ``failed``), stop the other
+    ranks, say why we stopped."""
     st = lrn.state
-    if st.verdict and st.step % lrn.cfg.sync_every:  # the last steps' weights, published
+    if st.verdict and st.step % lrn.cfg.sync_every and not failed:  # the last steps' weights
         st.policy_version += 1
         lrn.publish()
-    if st.step > st.checkpoint_step:
+    if st.step > st.checkpoint_step and not failed:
         lrn.checkpoint()
     lrn.reporters.close()
     if lrn.trainer is not None and dp is not None:
         lrn.trainer.stop()
         dp.close()
-    lrn.report(status="faulted" if fault else "solved" if st.verdict else "stopped")
+    status = "faulted" if fault else "failed" if failed else "solved" if st.verdict else "stopped"
+    lrn.report(status=status)
     log.info("learner stopped", step=st.step, **msgspec.structs.asdict(st.counters))
     if st.verdict:
         log.info(st.verdict)
     with contextlib.suppress(redis.RedisError):
         lrn.r.close()
-
-
-def _follower(dp: DataParallel, cfg: LearnerConfig, run: str) -> LearnerState:
-    """Ranks > 0: the same model, optimizer and checkpoint as rank 0, then its steps."""
-    t = load_training(cfg, cfg.out_dir(run), dp)
-    restored = str(t.restored) if t.restored else None
-    log.info("rank started", rank=dp.rank, world=dp.world, restored=restored)
-    assert t.ddp is not None  # load_training wraps the model on every rank
-    t.state.step += follow(dp, t.ddp, t.optimizer, cfg, t.tokenizer.pad_token_id, t.ref_model)
-    log.info("rank stopped", rank=dp.rank, step=t.state.step)
-    dp.close()
-    return t.state
 
 
 @dataclass
@@ -357,6 +354,8 @@ class _Learner:
             self.r, self.keys, self.model, self.tokenizer, self.out / "policy",
             st.policy_version, st.step, lora=cfg.lora_r > 0, keep=cfg.keep_policy_versions,
         )  # fmt: skip
+        if pv is None:  # not written (a full disk) and so not announced: training goes on
+            return
         structlog.contextvars.bind_contextvars(policy_version=pv.version)
         due = pv.version == 0 or self.state.step % self.cfg.logging_steps == 0
         (log.info if due else log.debug)("published", step=pv.step, path=pv.path)
@@ -364,10 +363,10 @@ class _Learner:
     def checkpoint(self) -> None:
         """Checkpoint, and only then XACK what it covers."""
         st = self.state
-        st.checkpoint_step, st.checkpoint_time = st.step, time.time()
-        path = save_checkpoint(
-            self.out / "checkpoints", st, self.model, self.optimizer, self.cfg.keep_checkpoints
-        )
+        saved = msgspec.structs.replace(st, checkpoint_step=st.step, checkpoint_time=time.time())
+        out, keep = self.out / "checkpoints", self.cfg.keep_checkpoints
+        path = save_checkpoint(out, saved, self.model, self.optimizer, keep)  # or CheckpointFailed
+        st.checkpoint_step, st.checkpoint_time = saved.checkpoint_step, saved.checkpoint_time
         failpoint("after_checkpoint", st.step)
         self.reader.ack(self.unacked)
         self.unacked = []

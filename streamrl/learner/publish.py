@@ -11,9 +11,11 @@ Layout (``<output_dir>/policy/``)::
 
 A version directory is written as ``.tmp-v3-…``, fsynced and renamed, so a backend that sees
 ``v3/`` sees all of it. The announcement is a ``PolicyVersion`` (msgpack, field ``p``) on
-``keys.policy``. Publishing is idempotent: after a crash the learner replays its last steps
-and may publish a version again; an existing directory is kept and a version the stream
-already announced is not announced twice.
+``keys.policy``, with the sha256 of every file of the directory (``digests``), read back from
+disk after the rename: rollout workers refuse files that do not match. Publishing is
+idempotent: after a crash the learner replays its last steps and may publish a version again;
+an existing directory is kept and a version the stream already announced is not announced
+twice.
 """
 
 from __future__ import annotations
@@ -24,13 +26,20 @@ from pathlib import Path
 from typing import Any
 
 import redis
+import structlog
 
 from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.learner._failpoints import failpoint
-from streamrl.learner.checkpoint import fsync_path
+from streamrl.learner.checkpoint import fsync_path, write_failure
+from streamrl.policy.integrity import digest_dir
 
 _TMP_PREFIX = ".tmp-"
+log = structlog.get_logger("streamrl.learner")
+
+
+class PublishFailed(RuntimeError):
+    """A version's files could not be written; nothing of it is on disk or announced."""
 
 
 def _version_dir(policy_dir: Path, version: int) -> Path:
@@ -49,12 +58,18 @@ def _write_policy(model: Any, tokenizer: Any, policy_dir: Path, version: int) ->
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # else a "Writing model shards" bar per version in the log
-    model.save_pretrained(tmp, max_shard_size="1000GB")  # one model.safetensors
-    tokenizer.save_pretrained(tmp)
-    for f in tmp.iterdir():
-        if f.is_file():
-            fsync_path(f)
-    fsync_path(tmp)
+    try:
+        model.save_pretrained(tmp, max_shard_size="1000GB")  # one model.safetensors
+        tokenizer.save_pretrained(tmp)
+        for f in tmp.iterdir():
+            if f.is_file():
+                fsync_path(f)
+        fsync_path(tmp)
+    except Exception as e:  # a full disk: nothing half-written stays, nothing is announced
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise PublishFailed(
+            f"policy version {version} not written ({write_failure(e, policy_dir)})"
+        ) from e
     os.rename(tmp, final)
     fsync_path(policy_dir)
     return final
@@ -97,8 +112,14 @@ def publish(
     step: int,
     lora: bool,
     keep: int,
-) -> schema.PolicyVersion:
-    path = _write_policy(model, tokenizer, policy_dir, version)
+) -> schema.PolicyVersion | None:
+    """Write, digest and announce ``version``; None (logged, nothing announced) when the files
+    cannot be written, as on a full disk."""
+    try:
+        path = _write_policy(model, tokenizer, policy_dir, version)
+    except PublishFailed as e:
+        log.error(str(e), step=step)
+        return None
     failpoint("after_policy_write", step)
     pv = schema.PolicyVersion(
         version=version,
@@ -106,6 +127,7 @@ def publish(
         path=str(path.resolve()),
         format="lora" if lora else "safetensors",
         created_at=schema.now(),
+        digests=digest_dir(path),
     )
     _announce(r, keys, pv)
     failpoint("after_announce", step)

@@ -30,9 +30,11 @@ from streamrl.learner.checkpoint import (
     restore_checkpoint,
 )
 from streamrl.learner.config import LearnerConfig
-from streamrl.learner.distributed import DataParallel, world_size, wrap
+from streamrl.learner.distributed import DataParallel, follow, world_size, wrap
 from streamrl.learner.model import AdapterDisabled, load_model, load_reference, seed_everything
 from streamrl.learner.train import make_optimizer
+
+log = structlog.get_logger("streamrl.learner")
 
 
 def start_process(
@@ -107,3 +109,15 @@ def _checkpoint_to_restore(ckpt_dir: Path, dp: DataParallel | None) -> Path | No
     if dp is not None:
         dp.broadcast_text(str(path) if path else "")
     return path
+
+
+def run_follower(dp: DataParallel, cfg: LearnerConfig, run: str) -> LearnerState:
+    """Ranks > 0: the same model, optimizer and checkpoint as rank 0, then its steps."""
+    t = load_training(cfg, cfg.out_dir(run), dp)
+    restored = str(t.restored) if t.restored else None
+    log.info("rank started", rank=dp.rank, world=dp.world, restored=restored)
+    assert t.ddp is not None  # load_training wraps the model on every rank
+    t.state.step += follow(dp, t.ddp, t.optimizer, cfg, t.tokenizer.pad_token_id, t.ref_model)
+    log.info("rank stopped", rank=dp.rank, step=t.state.step)
+    dp.close()
+    return t.state

@@ -125,7 +125,27 @@ def _redis_status(r: Any, keys: Keys) -> dict[str, Any]:
         "node": node_of(r, keys.config),  # the run's own keys (all of them when unsharded)
         "maxmemory_policy": policies,
         "eviction": problem,
+        "full": _full(r),
     }
+
+
+def _full(r: Any) -> str | None:
+    """Why Redis refuses writes now (``used_memory`` at ``maxmemory``), or None."""
+    try:
+        info = r.info("memory")
+    except redis.RedisError:
+        return None
+    nodes = {"": info} if "used_memory" in info else info  # a cluster: per node
+    for node, mem in nodes.items():
+        used, limit = int(mem.get("used_memory", 0)), int(mem.get("maxmemory", 0))
+        if limit and used >= limit:
+            where = f" on {node}" if node else ""
+            return (
+                f"Redis is full{where}: used_memory {used / 2**20:.1f} MiB >= maxmemory "
+                f"{limit / 2**20:.1f} MiB; writes are refused (OOM) and every role backs off "
+                "until memory frees (trimming, the learner catching up) or maxmemory is raised"
+            )
+    return None
 
 
 def collect(r: redis.Redis, run: str, control: redis.Redis | None = None) -> dict[str, Any]:

@@ -98,6 +98,8 @@ def status_table(info: dict[str, Any]) -> Table:
     parts: list[Any] = [t, foot]
     if rd.get("eviction"):
         parts.append(Text(f"REDIS: {rd['eviction']}", style="bold red"))
+    if rd.get("full"):
+        parts.append(Text(f"REDIS: {rd['full']}", style="bold red"))
     health = info.get("policy_health") or {}
     if health.get("fault"):
         parts.append(Text(f"FAULT: {health['fault']}", style="bold red"))

@@ -42,6 +42,8 @@ any other 4xx, ``PolicyError`` (the episode stays pending and is retried; it is 
 The HTTP client is an ``httpx``-API ``AsyncClient`` with one connection pool shared by all
 episodes. A failed server update (or served-version read) keeps the old version, is retried
 every ``reload_check_s``, and is reported as ``reload_error`` until a later sync succeeds.
+Before asking the server to load a version, the worker checks its files against the version's
+digests when it can see the directory (``streamrl.policy.integrity``), and refuses a mismatch.
 
 Options: ``api_key``, ``timeout_s`` (600), ``connect_timeout_s`` (10), ``max_connections``
 (256), ``retries`` (4), ``backoff_s`` (0.5), ``backoff_max_s`` (8), ``sync``
@@ -57,6 +59,7 @@ import hashlib
 import os
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -70,6 +73,7 @@ from streamrl.log import Repeats
 from streamrl.policy._openai_wire import ChatWire
 from streamrl.policy._versions import latest_version
 from streamrl.policy.base import Policy, PolicyError, PolicyRequest
+from streamrl.policy.integrity import verify_dir
 from streamrl.schema import ModelTurn, PolicyVersion
 
 log = structlog.get_logger(__name__)
@@ -323,6 +327,9 @@ class OpenAIPolicy(Policy):
     async def load_version(self, pv: PolicyVersion) -> None:
         """Make the server serve ``pv`` (LoRA adapter or full weights) and use it from now on.
         Public so that a learner or an operator can push a version without the stream."""
+        if pv.format not in ("lora", "safetensors"):
+            return
+        await self._check_digests(pv)
         if pv.format == "lora":
             await self._load_lora(pv)
         elif pv.format == "safetensors":
@@ -336,6 +343,19 @@ class OpenAIPolicy(Policy):
         log.info(
             "server policy updated", policy_version=pv.version, model=self._model, server=self.root
         )
+
+    async def _check_digests(self, pv: PolicyVersion) -> None:
+        """Refuse files that are not the learner's before the server loads them. The server
+        reads ``pv.path`` itself; where this worker cannot see that path, it says so once."""
+        if not pv.digests:
+            return
+        if Path(pv.path).is_dir():
+            await asyncio.to_thread(verify_dir, Path(pv.path), pv.digests)
+        elif self._repeats.check("unverified", pv.path) is not None:
+            log.warning(
+                "policy version not checked: its directory is not visible to this worker",
+                path=pv.path, policy_version=pv.version,
+            )  # fmt: skip
 
     async def _load_lora(self, pv: PolicyVersion) -> None:
         name = self._wire.adapter(pv.version)

@@ -3,7 +3,10 @@
 For tests and for measuring the pipeline's own overhead. Mistakes are a pure function of the
 task id, so every run of the same tasks gives the same trajectories: ``wrong_rate`` of the
 samples end with a wrong final answer (so groups have reward variance) and ``malformed_rate``
-of them start with a tool call whose arguments are not JSON.
+of them start with a tool call whose arguments are not JSON. Option ``token_vocab`` (N > 0): each
+turn also carries token ids (the bytes of its text and of the last input item, modulo N, at
+most 32 each), so that a learner on a model with N tokens trains on a scripted run (``streamrl
+bench soak``); behaviour log-probs stay unknown.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Callable
+
+import msgspec
 
 from streamrl.config import PolicyConfig
 from streamrl.envs.base import Environment
@@ -37,6 +42,7 @@ class ScriptedPolicy(Policy):
         self.config = config
         self.env = env
         self.env_for = env_for  # the worker's per-task environments, for mixed runs
+        self.token_vocab = int(config.options.get("token_vocab", 0))
 
     async def respond(self, request: PolicyRequest) -> ModelTurn:
         if self.config.latency_s > 0:
@@ -52,4 +58,12 @@ class ScriptedPolicy(Policy):
                 self.config.wrong_rate
             ):
                 item = Message(role="assistant", content=item.content + " (or so)")
-        return ModelTurn(index=request.turn, items=[item])
+        turn = ModelTurn(index=request.turn, items=[item])
+        if self.token_vocab > 0:
+            turn.prompt_token_ids = self._tokens(request.items[-1:]) or [0]
+            turn.token_ids = self._tokens([item]) or [0]
+        return turn
+
+    def _tokens(self, items: list) -> list[int]:
+        text = b"".join(msgspec.json.encode(i) for i in items)
+        return [b % self.token_vocab for b in text[-32:]]

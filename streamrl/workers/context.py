@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 from typing import Any
+from urllib.parse import urlencode
 
 import redis
 import redis.asyncio
+from redis.connection import SSLConnection
 
 from streamrl.bus.keys import Keys
 from streamrl.config import RUN_CONFIG, RunConfig
@@ -15,6 +18,11 @@ from streamrl.connection import ENV_DATA_URL, async_retry, connect, connect_asyn
 from streamrl.defaults import RUNS_KEY, SOCKET_TIMEOUT_S
 
 _CONN_FIELDS = ("host", "port", "db", "username", "password", "path", "ssl")
+_ASYNC_TLS_OPTIONS = frozenset(
+    name
+    for name in inspect.signature(redis.asyncio.Redis.__init__).parameters
+    if name.startswith("ssl_")
+)
 
 
 def consumer_name() -> str:
@@ -73,6 +81,9 @@ def async_twin(conn: Any) -> Any:
     }
     if "path" in kw:
         kw["unix_socket_path"] = kw.pop("path")
+    tls = _tls_options(conn)
+    if tls is not None:
+        kw.update(ssl=True, **tls)
     return redis.asyncio.Redis(
         **kw, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=5, retry=async_retry()
     )
@@ -86,10 +97,24 @@ def _url_of(conn: redis.Redis) -> str:
     auth = ""
     if kw.get("password"):
         auth = f"{kw.get('username') or ''}:{kw['password']}@"
-    scheme = "rediss" if kw.get("ssl") else "redis"
+    tls = _tls_options(conn)
+    scheme = "rediss" if tls is not None else "redis"
+    query = urlencode({k: v for k, v in (tls or {}).items() if isinstance(v, (str, bool, int))})
     return (
         f"{scheme}://{auth}{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"
+        + (f"?{query}" if query else "")
     )
+
+
+def _tls_options(conn: redis.Redis) -> dict[str, Any] | None:
+    """The TLS settings of a client (CA file, client certificate, checks), None without TLS.
+    ``rediss://`` makes redis-py use ``SSLConnection`` with ``ssl_*`` options: a twin or a URL
+    built without them would talk plain TCP, or trust other certificates."""
+    pool = conn.connection_pool
+    if not (pool.connection_kwargs.get("ssl") or issubclass(pool.connection_class, SSLConnection)):
+        return None
+    kw = pool.connection_kwargs
+    return {k: v for k, v in kw.items() if k in _ASYNC_TLS_OPTIONS and v is not None}
 
 
 def read_config(raw: bytes | None) -> RunConfig | None:

@@ -112,13 +112,10 @@ class _RolloutLease:
 
     async def _deadletter(self, entry: Entry, reason: str) -> None:
         keys, args = deadletter_call(
-            self.keys,
-            self.keys.tasks,
-            ROLLOUT_GROUP,
-            self.consumer,
+            self.keys, self.keys.tasks, ROLLOUT_GROUP, self.consumer,
             [(entry, dead_letter(entry, "rollout", reason), b"")],
-            with_session=True,
-        )
+            with_session=True, done_ttl_s=self.config.streams.group_done_ttl_s,
+        )  # fmt: skip
         done = await self.scripts.deadletter(keys=keys, args=args)
         if done and done[0]:
             self.counts["dead_lettered"] += 1

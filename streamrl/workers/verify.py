@@ -31,13 +31,7 @@ from streamrl.bus.streams import (
 )
 from streamrl.bus.trim import forget_idle_consumers, trim_run
 from streamrl.config import RunConfig
-from streamrl.defaults import (
-    GROUP_DONE_TTL_S,
-    MASKED,
-    SCHEMA_VERSION,
-    VERIFY_GROUP,
-    VERIFY_QUEUE,
-)
+from streamrl.defaults import MASKED, SCHEMA_VERSION, VERIFY_GROUP, VERIFY_QUEUE
 from streamrl.envs import Environment, SampleMasked, make_env
 from streamrl.http import RetryPolicy
 from streamrl.verifiers.deadline import VerifierTimeout, deadline
@@ -227,8 +221,9 @@ class _VerifyLease:
             failed += self._score(ok)
         if failed:
             keys, args = deadletter_call(
-                self.keys, self.keys.rollouts, VERIFY_GROUP, self.consumer, failed, False
-            )
+                self.keys, self.keys.rollouts, VERIFY_GROUP, self.consumer, failed, False,
+                cfg.streams.group_done_ttl_s,
+            )  # fmt: skip
             res = self.scripts.deadletter(keys=keys, args=args)
             self.counts["dead_lettered"] += sum(res)
             kinds: dict[str, int] = {}
@@ -247,7 +242,8 @@ class _VerifyLease:
         """Add scores to their groups; returns the failures for samples the script refused."""
         k = self.keys
         keys = [k.rollouts, k.scored, k.groups, k.stats]
-        args: list[Any] = [VERIFY_GROUP, self.consumer, SCHEMA_VERSION, GROUP_DONE_TTL_S]
+        ttl = self.config.streams.group_done_ttl_s
+        args: list[Any] = [VERIFY_GROUP, self.consumer, SCHEMA_VERSION, ttl]
         for e, traj, score in ok:
             keys.append(k.group(traj.prompt_id))
             sample = schema.Sample(score=score, trajectory=traj)

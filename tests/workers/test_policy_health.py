@@ -242,3 +242,61 @@ def test_a_stale_worker_leaves_what_it_holds_pending(redis_url, worker_env, tmp_
     assert {e["consumer"].decode() for e in pending} == {worker}
     assert {e["times_delivered"] for e in pending} == {1}
     assert streams == [0, 0, 0]
+
+
+def test_a_tampered_version_is_refused_and_shown_in_status(
+    tiny_dir, redis_url, worker_env, tmp_path
+):
+    """Policy integrity end to end: a real rq rollout worker loads the learner's honest v1,
+    refuses v2 once a byte of its weights is changed on disk (no silent fall-back: it keeps
+    serving v1 and says why), and ``streamrl status`` shows the refusal."""
+    from streamrl.learner import publish
+    from streamrl.models.tiny import build_tokenizer
+    from streamrl.policy.integrity import digest_dir
+
+    run = "tampered"
+    cfg = hf_config(run, tiny_dir)
+    cfg.learner["max_staleness"] = 3  # one version behind is no fault: the refusal is the news
+    policy_dir = tmp_path / "policy"
+    with LocalPipeline(cfg, url=redis_url, directory=tmp_path, worker_env=worker_env) as p:
+
+        def publish_version(version: int) -> None:
+            publish.publish(
+                p.r, p.keys, build_model(seed=version).eval(), build_tokenizer(), policy_dir,
+                version=version, step=version, lora=False, keep=10,
+            )  # fmt: skip
+
+        def served(version: int, error: bool):
+            def check() -> dict | None:
+                w = collect(p.r, run)["policy_health"]["workers"].get(worker, {})
+                ok = w.get("version") == version and (w.get("error") is not None) == error
+                return w if ok and w.get("newest") == (2 if error else 1) else None
+
+            return check
+
+        publish_version(1)
+        p.start_workers(rollout=1, verify=0)
+        worker = p.procs.procs[0][0]
+        honest = wait_for(served(1, error=False), "the worker to serve v1", WAIT_S, every=0.1)
+        # v2 as the learner writes and announces it, a byte changed on disk in between
+        v2 = publish._write_policy(build_model(seed=2).eval(), build_tokenizer(), policy_dir, 2)
+        digests = digest_dir(v2)
+        weights = v2 / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-3] ^= 0x01
+        weights.write_bytes(bytes(data))
+        pv = PolicyVersion(version=2, step=2, path=str(v2), format="safetensors", digests=digests)
+        publish._announce(p.r, p.keys, pv)
+        refused = wait_for(served(1, error=True), "the refusal in status", WAIT_S, every=0.1)
+        cli = subprocess.run(
+            [sys.executable, "-m", "streamrl.cli", "--redis", redis_url, "--run", run, "status"],
+            capture_output=True, text=True, env={**worker_env, "COLUMNS": "400"}, timeout=60,
+        )  # fmt: skip
+        p.stop()
+    assert (honest["version"], honest["error"]) == (1, None)
+    assert (refused["version"], refused["newest"], refused["lag"]) == (1, 2, 1)
+    assert refused["error"].startswith("PolicyIntegrityError: ")
+    assert "model.safetensors: sha256 " in refused["error"]
+    assert "tampered or truncated" in refused["error"]
+    assert cli.returncode == 0, cli.stderr
+    assert "PolicyIntegrityError" in cli.stdout and "tampered or truncated" in cli.stdout

@@ -7,7 +7,9 @@ or a LoRA adapter (``adapter_model.safetensors`` + ``adapter_config.json``) via 
 imported only for adapters, so full-weight training needs no peft. Every turn is stamped with
 the version that generated it. A version that fails to load leaves the old weights in place;
 ``reload_error`` says why until a later attempt succeeds, and the load is retried every
-``reload_check_s``. ``refresh()`` runs the same check when no batch is running.
+``reload_check_s``. ``refresh()`` runs the same check when no batch is running. The files are
+checked against the version's sha256 digests before loading (``streamrl.policy.integrity``):
+a tampered or truncated version is refused the same way.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from streamrl.defaults import RELOAD_ERROR_LOG_EVERY_S
 from streamrl.log import Repeats
 from streamrl.policy._versions import latest_version
 from streamrl.policy.base import PolicyError
+from streamrl.policy.integrity import verify_dir
 from streamrl.schema import PolicyVersion
 
 log = structlog.get_logger("streamrl.policy.hf")
@@ -42,18 +45,21 @@ class ServedWeights:
         self._lora_config: dict[str, Any] | None = None
 
     def load(self, pv: PolicyVersion) -> None:
-        """Serve ``pv`` from now on (called between batches only)."""
+        """Serve ``pv`` from now on (called between batches only). The files are checked
+        against the announced digests first; a mismatch raises before anything changes."""
         if pv.format == "lora":
-            self._load_lora(Path(pv.path))
+            self._load_lora(Path(pv.path), pv.digests)
         else:
-            self._load_full(Path(pv.path) / "model.safetensors")
+            self._load_full(Path(pv.path), pv.digests)
         self.version = pv.version
 
-    def _load_full(self, file: Path) -> None:
+    def _load_full(self, directory: Path, digests: dict[str, str]) -> None:
         """Checked before anything is copied, so a bad file leaves the old weights whole."""
-        from safetensors.torch import load_file
+        from safetensors.torch import load
 
-        state = load_file(str(file), device=str(self.device))
+        file = directory / "model.safetensors"
+        data = verify_dir(directory, digests, read=(file.name,))[file.name]
+        state = {k: v.to(self.device) for k, v in load(data).items()}
         model = self._base_model()
         current = model.state_dict()
         tied = _tied_names(model)
@@ -67,9 +73,9 @@ class ServedWeights:
             )
         model.load_state_dict(state, strict=False)
 
-    def _load_lora(self, directory: Path) -> None:
+    def _load_lora(self, directory: Path, digests: dict[str, str]) -> None:
         from peft import PeftModel, set_peft_model_state_dict
-        from safetensors.torch import load_file
+        from safetensors.torch import load
 
         config = json.loads((directory / "adapter_config.json").read_text())
         same_shape = self._lora_config is not None and all(
@@ -77,15 +83,16 @@ class ServedWeights:
             for k in ("r", "target_modules", "lora_alpha", "modules_to_save", "use_dora")
         )
         if isinstance(self.model, PeftModel) and same_shape:
-            weights = load_file(
-                str(directory / "adapter_model.safetensors"), device=str(self.device)
-            )
+            adapter = "adapter_model.safetensors"
+            data = verify_dir(directory, digests, read=(adapter,))[adapter]
+            weights = {k: v.to(self.device) for k, v in load(data).items()}
             result = set_peft_model_state_dict(self.model, weights)
             if getattr(result, "unexpected_keys", None):
                 raise PolicyError(
                     f"{directory}: unexpected adapter keys {result.unexpected_keys[:5]}"
                 )
         else:
+            verify_dir(directory, digests)  # peft reads the files itself, just after
             base = self._base_model()
             self.model = PeftModel.from_pretrained(base, str(directory)).to(self.device)
             self.model.eval()
