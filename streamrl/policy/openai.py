@@ -76,7 +76,7 @@ log = structlog.get_logger(__name__)
 
 _RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 _SYNC_MODES = ("none", "lora", "weights")
-_WEIGHTS_METHOD = "streamrl_load_weights"
+_WEIGHTS_METHOD = "reload_weights"
 _LOCK_MS = 300_000
 
 
@@ -132,6 +132,9 @@ class OpenAIPolicy(Policy):
         self.weights_method = str(opts.get("weights_method", _WEIGHTS_METHOD))
         self.pause_mode = str(opts.get("pause_mode", "wait"))
         self.reload_check_s = float(opts.get("reload_check_s", 1.0))
+        self.version_retries = int(opts.get("version_retries", 3))
+        self._weight_info: bool | None = None  # does the server label its weights?
+        self.version_resends = 0  # requests asked again because the weights changed
 
         http = httpx_api()
         api_key = opts.get("api_key") or os.environ.get("OPENAI_API_KEY")
@@ -165,7 +168,7 @@ class OpenAIPolicy(Policy):
         self._idle = asyncio.Event()  # set when none of this client's requests is in flight
         self._idle.set()
         self._inflight = 0
-        self.http_attempts = 0  # observability (and the retry tests)
+        self.http_attempts = 0  # chat completion attempts: observability (and the retry tests)
 
     @property
     def version(self) -> int:
@@ -184,31 +187,63 @@ class OpenAIPolicy(Policy):
 
     async def respond(self, request: PolicyRequest) -> ModelTurn:
         await self._maybe_sync()
-        await self._open.wait()
-        self._inflight += 1
-        self._idle.clear()
-        started = time.perf_counter()
-        sent_version = self._version
-        body = self._wire.body(request, self._model)
-        try:
+        for _ in range(self.version_retries + 1):
+            await self._open.wait()
+            self._inflight += 1
+            self._idle.clear()
+            started = time.perf_counter()
             try:
-                data, headers = await self._post("/v1/chat/completions", body)
-            except _HTTPStatusPolicyError as e:
-                # The adapter we named was unloaded meanwhile (another client moved the
-                # server on): ask again under the name now being served.
-                if e.status != 404 or self.sync == "weights":
-                    raise
-                await self._maybe_sync(force=True)
-                if self._model == body["model"]:
-                    raise
-                sent_version, body["model"] = self._version, self._model
-                data, headers = await self._post("/v1/chat/completions", body)
-        finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
-        seconds = time.perf_counter() - started
-        return self._wire.turn(request, data, headers, sent_version, seconds)
+                served = await self._weight_label()
+                sent_version = self._version if served is None else served
+                data, headers = await self._chat(self._wire.body(request, self._model))
+                # The weights changed while this request was on the server: its tokens may
+                # come from either version, so it is asked again (never stamped by a guess).
+                if served is not None and await self._weight_label() != served:
+                    self.version_resends += 1
+                    continue
+                if _aborted(data):  # a /pause?mode=abort by another updater
+                    self.version_resends += 1
+                    continue
+            finally:
+                self._inflight -= 1
+                if self._inflight == 0:
+                    self._idle.set()
+            seconds = time.perf_counter() - started
+            return self._wire.turn(request, data, headers, sent_version, seconds)
+        raise PolicyError(
+            f"the weights of {self.root} changed during each of {self.version_retries + 1} "
+            "tries of one request"
+        )
+
+    async def _chat(self, body: dict[str, Any]) -> tuple[Any, Any]:
+        try:
+            return await self._post("/v1/chat/completions", body)
+        except _HTTPStatusPolicyError as e:
+            # The adapter we named was unloaded meanwhile (another client moved the
+            # server on): ask again under the name now being served.
+            if e.status != 404 or self.sync == "weights":
+                raise
+            await self._maybe_sync(force=True)
+            if self._model == body["model"]:
+                raise
+            body["model"] = self._model
+            return await self._post("/v1/chat/completions", body)
+
+    async def _weight_label(self) -> int | None:
+        """The policy version the server's own weight label (vLLM's ``/weight_info``, set by
+        ``/update_weight_version`` after each swap) names, or None where the server has no
+        label (an older vLLM, another server, LoRA serving: the adapter name says it)."""
+        if self.sync == "lora" or self._weight_info is False:
+            return None
+        data, _ = await self._post("/weight_info", method="GET", optional=True)
+        if data is None:
+            self._weight_info = False
+            return None
+        self._weight_info = True
+        version = _label_version(data.get("weight_version"))
+        if version > self._version and self._open.is_set():
+            self._version = version  # another client moved the server on
+        return version
 
     # ------------------------------------------------------------------ HTTP
 
@@ -220,14 +255,18 @@ class OpenAIPolicy(Policy):
         params: dict[str, str] | None = None,
         optional: bool = False,
         expect_json: bool = True,
+        method: str = "POST",
     ) -> tuple[Any, Any]:
-        """POST with retries. ``optional``: a 404/405 (endpoint missing on this server
-        version) returns ``(None, None)`` instead of failing."""
+        """POST (or ``method``) with retries. ``optional``: a 404/405 (endpoint missing on this
+        server version) returns ``(None, None)`` instead of failing."""
 
         async def attempt() -> tuple[Any, Any]:
-            self.http_attempts += 1
+            self.http_attempts += path == "/v1/chat/completions"
             try:
-                resp = await self._client.post(path, json=body, params=params)
+                if method == "GET":
+                    resp = await self._client.get(path, params=params)
+                else:
+                    resp = await self._client.post(path, json=body, params=params)
             except self._transport_error as e:
                 raise Retryable(f"{type(e).__name__}: {e}") from e
             if resp.status_code < 400:
@@ -243,12 +282,14 @@ class OpenAIPolicy(Policy):
                 return None, None
             error = f"HTTP {resp.status_code}: {resp.text[:500]}"
             if resp.status_code not in _RETRY_STATUS:
-                raise _HTTPStatusPolicyError(f"POST {self.root}{path}: {error}", resp.status_code)
+                raise _HTTPStatusPolicyError(
+                    f"{method} {self.root}{path}: {error}", resp.status_code
+                )
             raise Retryable(error)
 
         def give_up(last: BaseException) -> PolicyError:
             tries = self._retry.tries
-            return PolicyError(f"POST {self.root}{path} failed {tries} times; last: {last}")
+            return PolicyError(f"{method} {self.root}{path} failed {tries} times; last: {last}")
 
         return await self._retry.acall(attempt, give_up)
 
@@ -366,8 +407,27 @@ class OpenAIPolicy(Policy):
                     rpc = {"method": self.weights_method, "args": [pv.path]}
                 await self._post("/collective_rpc", rpc, expect_json=False)
                 await self._post("/reset_prefix_cache", optional=True, expect_json=False)
+                label = {"new_version": str(pv.version)}
+                await self._post("/update_weight_version", label, optional=True)
+                data, _ = await self._post("/weight_info", method="GET", optional=True)
+                if data is not None and _label_version(data.get("weight_version")) != pv.version:
+                    raise PolicyError(f"after loading v{pv.version} the server reports {data!r}")
             finally:
                 await self._post("/resume", optional=True, expect_json=False)
             self._version = pv.version
         finally:
             self._open.set()
+
+
+def _label_version(label: Any) -> int:
+    """vLLM's weight label as a policy version: ``"7"`` -> 7; its start-up label
+    (``"default"``) -> 0, the base model."""
+    text = str(label or "").strip()
+    return int(text) if text.isdigit() else 0
+
+
+def _aborted(data: Any) -> bool:
+    try:
+        return data["choices"][0].get("finish_reason") == "abort"
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return False

@@ -266,7 +266,7 @@ def test_full_weight_update_drains_pauses_and_stamps(tiny_dir, copy_task, r, red
         "chat-start",
         "chat-end",
         "/pause",
-        "rpc:streamrl_load_weights",
+        "rpc:reload_weights",
         "/reset_prefix_cache",
     ]
     assert server.control_calls == ["/pause?mode=wait", "/reset_prefix_cache", "/resume"]
