@@ -338,3 +338,33 @@ def cached_smollm2(cache: str | Path | None = None, python: str | Path | None = 
             materialize_smollm2(partial, gguf=gguf)
             partial.rename(out)
     return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m streamrl.local.vllm [MODEL_DIR] [--port N] [--cpus 0-1] [--dtype bfloat16]``:
+    create the venv if need be, serve (SmolLM2 by default) in the foreground, stop on Ctrl-C."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m streamrl.local.vllm", description=main.__doc__)
+    ap.add_argument("model", nargs="?", default=None, help="a save_pretrained directory")
+    ap.add_argument("--port", type=int, default=None)
+    ap.add_argument("--cpus", default="", help="cores for vLLM's threads (default: all)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--served-name", default="policy")
+    args = ap.parse_args(argv)
+    server = VLLMServer(args.model, served_name=args.served_name, dtype=args.dtype,
+                        port=args.port, cpus=args.cpus)  # fmt: skip
+    try:
+        server.start()
+        print(f"vLLM pid {server.pid} starting on {server.url}", file=sys.stderr, flush=True)
+        server.wait_ready()
+        print(f"vLLM ready: {server.url}/v1 serves {args.served_name!r}", flush=True)
+        server.proc.wait()  # type: ignore[union-attr]
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

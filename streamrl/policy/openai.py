@@ -1,5 +1,9 @@
 """``openai``: any OpenAI-compatible chat server, vLLM first.
 
+Kept whole: one client's request path and its server-update path share their state (the
+gate that drains this client's requests before a swap, the version it stamps, the retry and
+wait-for-the-server policy); split, each half would reach into the other's internals.
+
 Requests and responses (vLLM's extensions for token ids and behaviour log-probs, tool calls)
 are in ``_openai_wire``.
 

@@ -77,13 +77,13 @@ class SessionVLLM:
     """The session's server: started in the background, awaited by the first test."""
 
     def __init__(self) -> None:
-        self.log_dir = Path(tempfile.mkdtemp(prefix="streamrl-vllm-"))
         self.given = os.environ.get("STREAMRL_TEST_VLLM_URL")
         self._start: BackgroundStart | None = None
         self._model: Path | None = None
         self._error: BaseException | None = None
         if self.given:
             return
+        self.log_dir = Path(tempfile.mkdtemp(prefix="streamrl-vllm-"))
         # nice: the rest of the suite runs beside its start-up; one thread: on a loaded 2-core
         # machine two bound threads wait on each other (one 16-token turn: 6.3 s, not 1.9 s)
         server = VLLMServer(
