@@ -127,7 +127,7 @@ def serve_command(python: str | Path, model: str | Path, port: int, *, dtype: st
         str(python), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
         "--dtype", dtype, "--max-model-len", str(max_model_len), "--enforce-eager",
-        "--logprobs-mode", "processed_logprobs", "--disable-log-stats",
+        "--logprobs-mode", "processed_logprobs",
         "--uvicorn-log-level", "warning",
     ]  # fmt: skip
     if served_name:

@@ -410,12 +410,15 @@ class OpenAIPolicy(Policy):
     async def load_version(self, pv: PolicyVersion) -> None:
         """Make the server serve ``pv`` (LoRA adapter or full weights) and use it from now on.
         Public so that a learner or an operator can push a version without the stream."""
-        if pv.format == "lora":
-            await self._load_lora(pv)
-        elif pv.format == "safetensors":
-            await self._load_weights(pv)
-        else:
-            return
+        try:
+            if pv.format == "lora":
+                await self._load_lora(pv)
+            elif pv.format == "safetensors":
+                await self._load_weights(pv)
+            else:
+                return
+        except PolicyError as e:  # say which version failed, for policy health and status
+            raise PolicyError(f"loading policy v{pv.version} from {pv.path}: {e}") from e
         if self._redis is not None:
             await self._redis.hset(
                 self._served_key, mapping={"version": pv.version, "model": self._model}

@@ -112,14 +112,14 @@ def test_weights_follow_the_learner_and_every_turn_names_its_weights(
     assert vllm.weight_label() == "2"
     assert updater.version == 2 and updater.reload_error is None
     ref = Reference()
-    seen = set()
+    seen: set[int] = set()
     for turn in by_updater + by_other:
         v = turn.policy_version
-        seen.add(v)
         assert ref.error(dirs[v], turn) < SAME, (v, turn.logprobs)
-        nearest = [w for w in dirs if abs(w - v) == 1]  # 0 vs 1 vs 2: neighbours differ least
-        others = [ref.error(dirs[w], turn) for w in nearest]
-        assert min(others) > SAME, (v, others)  # the versions are told apart
+        if v not in seen:  # the versions are told apart (neighbours differ least)
+            others = [ref.error(dirs[w], turn) for w in dirs if abs(w - v) == 1]
+            assert min(others) > SAME, (v, others)
+        seen.add(v)
     assert {0, 2} <= seen  # both sides of the updates were sampled
 
 

@@ -58,6 +58,17 @@ class SharedVLLM:
             raw = resp.read()
         return json.loads(raw) if raw else None
 
+    def running_requests(self) -> int:
+        """vLLM's own gauge of requests being generated (``/metrics``)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+        values = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:num_requests_running")
+        ]
+        return int(sum(values))
+
     def weight_label(self) -> str:
         return str(self.get("/weight_info")["weight_version"])
 
@@ -105,24 +116,38 @@ class SessionVLLM:
 
 
 class Reference:
-    """transformers' log-probs of a turn's tokens, per weights directory."""
+    """transformers' log-probs of a turn's tokens, per weights directory. A prompt's KV cache
+    is computed once per weights and reused (many turns share a prompt): only the sampled
+    tokens are run for each turn, which keeps these checks cheap on a busy CPU."""
 
     def __init__(self) -> None:
-        self.models: dict[Path, object] = {}
+        self.models: dict[Path, Any] = {}
+        self.prefixes: dict[tuple[Path, tuple[int, ...]], tuple[Any, torch.Tensor]] = {}
 
     def logprobs(self, model_dir: Path, turn: ModelTurn) -> list[float]:
+        import copy
+
         from transformers import AutoModelForCausalLM
 
         if model_dir not in self.models:
             self.models[model_dir] = AutoModelForCausalLM.from_pretrained(
                 str(model_dir), dtype=torch.float32
             ).eval()
-        ids = turn.prompt_token_ids + turn.token_ids
+        model = self.models[model_dir]
+        key = (model_dir, tuple(turn.prompt_token_ids))
         with torch.no_grad():
-            logits = self.models[model_dir](input_ids=torch.tensor([ids])).logits[0]
-        logp = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)
-        start = len(turn.prompt_token_ids) - 1
-        return [logp[start + i, t].item() for i, t in enumerate(turn.token_ids)]
+            if key not in self.prefixes:
+                out = model(input_ids=torch.tensor([turn.prompt_token_ids]), use_cache=True)
+                self.prefixes[key] = (out.past_key_values, out.logits[0, -1])
+            past, last = self.prefixes[key]
+            out = model(
+                input_ids=torch.tensor([turn.token_ids]),
+                past_key_values=copy.deepcopy(past),
+                use_cache=True,
+            )
+        logits = torch.cat([last[None], out.logits[0, :-1]]).float()
+        logp = torch.log_softmax(logits / TEMPERATURE, dim=-1)
+        return [logp[i, t].item() for i, t in enumerate(turn.token_ids)]
 
     def error(self, model_dir: Path, turn: ModelTurn) -> float:
         ref = self.logprobs(model_dir, turn)

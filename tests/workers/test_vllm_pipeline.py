@@ -19,7 +19,7 @@ from tests.support.vllm import SAME, Reference, announce, new_version
 pytestmark = pytest.mark.timeout(1200)
 
 
-def vllm_run(run: str, url: str, **options) -> RunConfig:
+def vllm_run(run: str, url: str, max_new_tokens: int = 12, **options) -> RunConfig:
     return RunConfig(
         run=run,
         env="copy",
@@ -29,7 +29,7 @@ def vllm_run(run: str, url: str, **options) -> RunConfig:
             base_url=url + "/v1",
             model="policy",
             temperature=0.8,
-            max_new_tokens=12,
+            max_new_tokens=max_new_tokens,
             options={"trust_env": False, "reload_check_s": 0.5, "backoff_s": 0.5, **options},
         ),
         rollout=RolloutConfig(max_policy_lag_s=0),
@@ -91,15 +91,17 @@ def test_vllm_killed_mid_run_episodes_wait_and_resume(
     episode completes. Nothing is scored 0 or failed and nothing is dead-lettered."""
     if vllm.server is None:
         pytest.skip("needs the server process this session started")
-    cfg = vllm_run(run_name, vllm.url, down_wait_s=600)
+    # long enough turns (no early end-of-turn) that the kill lands while requests are running
+    cfg = vllm_run(run_name, vllm.url, 48, down_wait_s=600, extra_body={"ignore_eos": True})
     env = make_env("copy")
     run_dir = tmp_path / "run"
     with LocalPipeline(cfg, url=redis_url, directory=run_dir, worker_env=subprocess_env) as p:
         p.start_workers(rollout=2, verify=1)
         Producer(p.r, run_name).from_env(env, 6, 2, seed=2)
         deadline = time.monotonic() + 600
-        while p.stat("groups_completed") < 1 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        while time.monotonic() < deadline and not vllm.running_requests():
+            time.sleep(0.1)
+        running_at_kill = vllm.running_requests()
         vllm.server.kill()
         done_at_kill = p.stat("groups_completed")
         time.sleep(3.0)  # requests now fail against a closed port
@@ -109,6 +111,7 @@ def test_vllm_killed_mid_run_episodes_wait_and_resume(
         trajs = p.trajectories()
         dead = p.r.xlen(p.keys.dead)
     assert done_at_kill < 6, "every episode finished before the kill: nothing was tested"
+    assert running_at_kill > 0
     assert acc.lost == acc.duplicated == acc.failures == 0 and acc.groups == 6
     assert dead == 0
     assert all(t.status == "completed" and t.turns[0].token_ids for t in trajs)
