@@ -45,7 +45,7 @@ def write_version(base: Path, out: Path, scale: float) -> Path:
 
 async def sync_all(url: str, dirs: list[Path]) -> list[float]:
     config = PolicyConfig(backend="openai", base_url=url + "/v1", model="policy",
-                          options={"trust_env": False, "sync": "weights"})  # fmt: skip
+                          options={"trust_env": False})  # fmt: skip
     policy = OpenAIPolicy(config, None)
     times = []
     for v, d in enumerate(dirs, start=1):
