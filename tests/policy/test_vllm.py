@@ -85,8 +85,9 @@ def test_weights_follow_the_learner_and_every_turn_names_its_weights(
     v1 = new_version(vllm.model_dir, tmp_path / "v1", 0.5)
     v2 = new_version(vllm.model_dir, tmp_path / "v2", 1.5)
     dirs = {0: vllm.model_dir, 1: v1, 2: v2}
-    updater = make(vllm.url, redis_url=redis_url, run=run_name, sync="weights", reload_check_s=0)
-    other = make(vllm.url, redis_url=redis_url, run=run_name, reload_check_s=0)
+    kw = {"redis_url": redis_url, "run": run_name, "max_new_tokens": 8, "reload_check_s": 0}
+    updater = make(vllm.url, sync="weights", **kw)
+    other = make(vllm.url, **kw)
 
     async def stream(policy: OpenAIPolicy, n: int) -> list[ModelTurn]:
         out = []
