@@ -17,8 +17,9 @@ What is matched, and how (``streamrl bench vs-trl --task lookup`` runs it):
   ``<tool_call>{...}</tool_call>``; the rendered prompt is the same text (tested). Replies are
   parsed with TRL's own Hermes parser (``qwen3_template``: SmolLM2 is ChatML as well).
 - **Shape and budgets.** 2 prompts x 8 samples per step, temperature 0.7, at most 3 model
-  turns (``max_tool_calling_iterations = 2``); TRL has one token budget for the whole
-  multi-turn completion, set to 3 x 36 sampled tokens plus the two tool answers' tokens.
+  turns (``max_tool_calling_iterations = 2``) of at most 36 sampled tokens each
+  (``generation_kwargs``); TRL's budget for the whole multi-turn completion
+  (``max_completion_length``) is 3 x 36 plus the two tool answers' tokens.
 - **Loss.** ``dapo``, group-scaled rewards, epsilon 0.2 / 0.28, beta 0, AdamW, 3 warm-up
   steps then a constant LR, gradient norm clipped at 1.
 
@@ -212,7 +213,10 @@ def main() -> None:
             at = time.time() - off_clock[0]  # the moment, less earlier saves
             path = args.snapshots / f"s{state.global_step}"
             model.save_pretrained(path, safe_serialization=True)
-            result["snapshots"].append({"step": state.global_step, "at": at, "path": str(path)})
+            snap = {"step": state.global_step, "at": at, "path": str(path)}
+            result["snapshots"].append(snap)
+            with open(args.snapshots / "index.jsonl", "a") as f:  # read if the run is cut off
+                f.write(json.dumps(snap) + "\n")
             off_clock[0] += time.perf_counter() - now
             self.last[0] = time.perf_counter()
 
@@ -222,6 +226,7 @@ def main() -> None:
         num_generations=8,
         max_completion_length=args.max_turns * args.max_new_tokens + answers,
         max_tool_calling_iterations=args.max_turns - 1,
+        generation_kwargs={"max_new_tokens": args.max_new_tokens},  # per turn, as streamrl's
         temperature=args.temperature,
         learning_rate=args.lr,
         lr_scheduler_type="constant_with_warmup",

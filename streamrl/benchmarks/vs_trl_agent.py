@@ -115,23 +115,36 @@ def streamrl_side(config: Path, model: Path, seconds: float, stop_reward: float)
 def trl_side(
     model: Path, config: Path, lr: float, seconds: float, stop_reward: float, every: float
 ) -> dict:
-    """``streamrl.benchmarks.trl_agent`` as its own process, from launch to exit."""
+    """``streamrl.benchmarks.trl_agent`` as its own process, stopped ``seconds`` after its
+    launch if it has not stopped itself (it can only stop between steps); the snapshots it
+    saved by then."""
     work, cfg = _scratch(config, model)
     argv = [sys.executable, "-m", "streamrl.benchmarks.trl_agent",
             "--model", str(work / "models" / model.name), "--snapshots", str(work / "snaps"),
             "--lr", str(lr), "--seconds", str(seconds), "--stop-reward", str(stop_reward),
             "--snapshot-every", str(every)]  # fmt: skip
-    env = {**os.environ}
+    log = open(work / "trl.log", "wb")  # noqa: SIM115
     launched = time.time()
-    done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=work,
-                          timeout=seconds + 600)  # fmt: skip
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith('{"lr"')]
-    if done.returncode != 0 or not lines:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise RuntimeError(f"trl_agent exited {done.returncode}: {' | '.join(tail)}")
-    res = json.loads(lines[-1])
-    res.update(launched=launched, work=str(work), config=str(cfg),
-               stopped_after=round(time.time() - launched, 1))  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=work, stdout=subprocess.PIPE, stderr=log,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        stop_all([proc], grace_s=2.0)
+        out = b""
+    stopped = round(time.time() - launched, 1)
+    lines = [ln for ln in out.decode().splitlines() if ln.startswith('{"lr"')]
+    res: dict = json.loads(lines[-1]) if lines else {"lr": lr, "cut_off": True}
+    if not lines and proc.returncode not in (0, None, -15, -9):
+        tail = (work / "trl.log").read_text(errors="replace").strip().splitlines()[-3:]
+        raise RuntimeError(f"trl_agent exited {proc.returncode}: {' | '.join(tail)}")
+    index = work / "snaps" / "index.jsonl"
+    res["snapshots"] = (
+        [json.loads(ln) for ln in index.read_text().splitlines()] if index.exists() else []
+    )
+    res.setdefault("steps", res["snapshots"][-1]["step"] if res["snapshots"] else 0)
+    res.setdefault("snapshot_seconds", None)
+    res.update(launched=launched, work=str(work), config=str(cfg), stopped_after=stopped)
     return res
 
 
@@ -171,6 +184,7 @@ def vs_trl_agent(
     eval_prompts: int = 50,
     eval_k: int = 4,
     snapshot_every: float = 60.0,
+    together: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     say = progress or (lambda m: None)
@@ -182,38 +196,58 @@ def vs_trl_agent(
     out: dict = {"task": "lookup", "target": target, "trl_lr": trl_lr, "seconds": seconds,
                  "trl_seconds": trl_cap, "eval": {"prompts": eval_prompts, "k": eval_k},
                  "runs": []}  # fmt: skip
+
+    def launch(name: str) -> dict:
+        if name == "streamrl":
+            side = streamrl_side(cfg, mdl, seconds, stop_reward)
+        else:
+            side = trl_side(mdl, cfg, trl_lr, trl_cap, stop_reward, snapshot_every)
+        say(f"  {name}: stopped after {side['stopped_after']} s, "
+            f"{len(side['snapshots'])} snapshots, {side['steps']} steps")  # fmt: skip
+        return side
+
+    def judge(side: dict) -> dict:
+        found = first_reaching(side, target, eval_prompts, eval_k, say)
+        shutil.rmtree(side["work"], ignore_errors=True)
+        return found
+
+    pending = []
+    evals = ThreadPoolExecutor(
+        max_workers=2
+    )  # off the clock; with `together`, beside the next pair
     for i in range(runs):
         order = ["streamrl", "trl"] if i % 2 == 0 else ["trl", "streamrl"]
-        sides: dict[str, dict] = {}
-        for name in order:
-            say(f"run {i + 1}/{runs}: {name}")
-            if name == "streamrl":
-                sides[name] = streamrl_side(cfg, mdl, seconds, stop_reward)
-            else:
-                sides[name] = trl_side(mdl, cfg, trl_lr, trl_cap, stop_reward, snapshot_every)
-            say(f"  {name}: stopped after {sides[name]['stopped_after']} s, "
-                f"{len(sides[name]['snapshots'])} snapshots")  # fmt: skip
-        say("  held-out success of the snapshots (off the clock) ...")
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            found = dict(zip(sides, pool.map(
-                lambda s: first_reaching(s, target, eval_prompts, eval_k, say),
-                sides.values()), strict=True))  # fmt: skip
-        row: dict = {"first": order[0]}
+        say(f"run {i + 1}/{runs}: {' and '.join(order) if together else ', then '.join(order)}")
+        if together:  # both at once: the machine's other load falls on both alike
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                futures = {name: pool.submit(launch, name) for name in order}
+                sides = {name: f.result() for name, f in futures.items()}
+        else:
+            sides = {name: launch(name) for name in order}
+        found = {name: evals.submit(judge, side) for name, side in sides.items()}
+        pending.append((order, sides, found))
+        if not together:  # the next pair must not share the machine with these evaluations
+            for f in found.values():
+                f.result()
+    say("held-out success of the snapshots (off the clock) ...")
+    for order, sides, found in pending:
+        row: dict = {"first": order[0], "together": together}
         for name, side in sides.items():
-            row[name] = found[name]["seconds"]
+            res = found[name].result()
+            row[name] = res["seconds"]
             row[f"{name}_detail"] = {
                 "stopped_after": side["stopped_after"], "steps": side["steps"],
-                "rewards": side.get("rewards"), "evals": found[name]["evals"],
+                "rewards": side.get("rewards"), "evals": res["evals"],
                 **({"lr": side["lr"], "snapshot_seconds": side["snapshot_seconds"]}
                    if name == "trl" else {}),
             }  # fmt: skip
             if row[name] is None:
                 row[f"{name}_not_reached_in"] = side["stopped_after"]
-            shutil.rmtree(side["work"], ignore_errors=True)
         if row["streamrl"] and row["trl"]:
             row["ratio"] = round(row["streamrl"] / row["trl"], 3)
         say(f"  streamrl {row['streamrl']} s, trl {row['trl']} s, ratio {row.get('ratio')}")
         out["runs"].append(row)
+    evals.shutdown()
     ratios = [r["ratio"] for r in out["runs"] if "ratio" in r]
     for name in ("streamrl", "trl"):
         times = [r[name] for r in out["runs"] if r[name]]

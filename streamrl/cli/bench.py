@@ -241,10 +241,16 @@ def bench_chaos(
     show_default=True,
     help="lookup: a side stops early once its training reward (last two steps) is this high.",
 )
+@click.option(
+    "--together",
+    is_flag=True,
+    help="lookup: run the two sides of a pair at the same time (on a machine others load, "
+    "both then share its load alike), and evaluate a pair while the next one trains.",
+)
 @click.option("--json", "as_json", is_flag=True)
 def bench_vs_trl(
     task, runs, trl_lr, seconds, trl_seconds, target, config_path, model, eval_prompts, eval_k,
-    stop_reward, as_json,
+    stop_reward, together, as_json,
 ) -> None:  # fmt: skip
     """streamrl vs TRL GRPOTrainer, as whole processes from a cold start, both from this one
     command, with the ratio: `copy`, seconds to the target reward; `lookup`, seconds to the
@@ -270,6 +276,7 @@ def bench_vs_trl(
             stop_reward=stop_reward,
             eval_prompts=eval_prompts,
             eval_k=eval_k,
+            together=together,
             progress=say,
         )
     else:
