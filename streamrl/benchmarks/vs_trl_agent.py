@@ -1,7 +1,8 @@
 """``streamrl bench vs-trl --task lookup``: streamrl against TRL's agent training
 (``GRPOTrainer`` with ``environment_factory``) on the multi-turn tool task ``lookup`` with
-SmolLM2-135M-Instruct, as whole processes from a cold start, one after the other, alternating
-which goes first.
+SmolLM2-135M-Instruct, as whole processes from a cold start: one after the other, alternating
+which goes first, or (``together``) both at once, so that the load other users put on a shared
+machine falls on both sides alike.
 
 streamrl runs the pipeline as a user would, each role its own process on a private Redis
 (``streamrl up``, a rollout worker, a verifier, ``streamrl learn``, ``streamrl produce`` on
@@ -212,9 +213,7 @@ def vs_trl_agent(
         return found
 
     pending = []
-    evals = ThreadPoolExecutor(
-        max_workers=2
-    )  # off the clock; with `together`, beside the next pair
+    evals = ThreadPoolExecutor(max_workers=2)
     for i in range(runs):
         order = ["streamrl", "trl"] if i % 2 == 0 else ["trl", "streamrl"]
         say(f"run {i + 1}/{runs}: {' and '.join(order) if together else ', then '.join(order)}")
@@ -224,13 +223,12 @@ def vs_trl_agent(
                 sides = {name: f.result() for name, f in futures.items()}
         else:
             sides = {name: launch(name) for name in order}
-        found = {name: evals.submit(judge, side) for name, side in sides.items()}
-        pending.append((order, sides, found))
-        if not together:  # the next pair must not share the machine with these evaluations
-            for f in found.values():
-                f.result()
+        pending.append((order, sides))
+    # off the clock, after the runs: an evaluation holds gigabytes (64 episodes decoded at once)
     say("held-out success of the snapshots (off the clock) ...")
-    for order, sides, found in pending:
+    found_all = [{name: evals.submit(judge, side) for name, side in sides.items()}
+                 for _, sides in pending]  # fmt: skip
+    for (order, sides), found in zip(pending, found_all, strict=True):
         row: dict = {"first": order[0], "together": together}
         for name, side in sides.items():
             res = found[name].result()
