@@ -222,7 +222,11 @@ def main() -> None:
 
     config = GRPOConfig(
         output_dir=str(args.snapshots / "out"),
-        per_device_train_batch_size=16,  # 2 prompts x 8 samples: [learner] batch_groups = 2
+        # 2 prompts x 8 samples a step ([learner] batch_groups = 2), trained 8 rows at a time
+        # ([learner] micro_batch_size = 8 in the bench): 16 rows at once need ~8 GB
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        generation_batch_size=16,
         num_generations=8,
         max_completion_length=args.max_turns * args.max_new_tokens + answers,
         max_tool_calling_iterations=args.max_turns - 1,

@@ -55,6 +55,8 @@ def _scratch(config: Path, model: Path) -> tuple[Path, Path]:
     os.symlink(model.resolve(), work / "models" / model.name)
     text = re.sub(r"(?m)^keep_policy_versions = .*$", "keep_policy_versions = 1000",
                   config.read_text())  # fmt: skip
+    # 8 rows per forward and backward on both sides: with 16, learner and TRL need ~8-10 GB each
+    text = re.sub(r"(?m)^micro_batch_size = .*$", "micro_batch_size = 8", text)
     cfg = work / config.name
     cfg.write_text(text)
     return work, cfg
