@@ -22,10 +22,10 @@ from redis.exceptions import NoPermissionError
 from streamrl import schema
 from streamrl.bus.acl import ROLES
 from streamrl.bus.keys import Keys
-from streamrl.bus.streams import Scripts, ensure_groups, xrange_all
+from streamrl.bus.streams import Entry, Scripts, deadletter_call, ensure_groups, xrange_all
 from streamrl.config import PolicyConfig, RolloutConfig, RunConfig, StreamConfig, VerifyConfig
 from streamrl.connection import connect
-from streamrl.defaults import ROLLOUT_QUEUE, VERIFY_QUEUE
+from streamrl.defaults import ROLLOUT_GROUP, ROLLOUT_QUEUE, VERIFY_QUEUE
 from streamrl.envs import make_env
 from streamrl.learner.config import LearnerConfig
 from streamrl.learner.loop import run_learner
@@ -141,6 +141,12 @@ def test_every_role_on_its_own_acl_user(tmp_path, subprocess_env):
         with pytest.raises(NoPermissionError):
             ro.config_get("maxmemory-policy")
         assert ensure_leases(ro, [ROLLOUT_QUEUE]) == 0  # skips the run it may not read
+        # a rollout worker's dead-letter call runs on its user (it declares no ``scored``)
+        unowned = Entry("0-1", "counter:0:0:0", b"", 1)
+        dl_keys, dl_args = deadletter_call(
+            p.keys, p.keys.tasks, ROLLOUT_GROUP, "nobody", [(unowned, b"dl", b"")], True
+        )
+        assert Scripts(ro).deadletter(keys=dl_keys, args=dl_args) == [0]
         # the observer: reads, never writes
         obs = redis.Redis.from_url(url["observer"])
         for write in (

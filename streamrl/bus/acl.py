@@ -50,6 +50,7 @@ _WRITES = {
         "topup:*",
     ),
     "verify": (
+        "tasks",  # verify leases trim every stream of the run (bus/trim.py) as they end
         "rollouts",
         "scored",
         "groups",
