@@ -172,3 +172,18 @@ def test_every_role_on_its_own_acl_user(tmp_path, subprocess_env):
     assert all("permission" in v for v in denied.values()), denied
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["groups_completed"] == PROMPTS
+
+
+def test_acl_prints_rules_and_refuses_a_bad_password_option(subprocess_env):
+    base = [sys.executable, "-m", "streamrl.cli", "--run", "r[1]", "acl"]
+    ok = subprocess.run([*base, "--password", "observer=pw-o"], capture_output=True, text=True,
+                        env=subprocess_env, timeout=60)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    observer = ok.stdout.splitlines()[-1].split()
+    assert observer[:6] == ["ACL", "SETUSER", "srl-r[1]-observer", "reset", "on", ">pw-o"]
+    assert r"%R~srl:{r\[1\]}:*" in observer  # the run's name is a literal in the pattern
+    assert not [w for w in observer if w.startswith("~")]  # the observer writes nothing
+    bad = subprocess.run([*base, "--password", "janitor=x"], capture_output=True, text=True,
+                         env=subprocess_env, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "expected ROLE=PASSWORD" in bad.stderr
+    assert "Traceback" not in bad.stderr
