@@ -110,7 +110,10 @@ def deadletter_call(
     done_ttl_s: int = GROUP_DONE_TTL_S,
 ) -> tuple[list[str], list[Any]]:
     """Keys and args of DEADLETTER for (entry, dead-letter blob, failure-score blob or b'')."""
-    ks = [stream, keys.dead, keys.scored, keys.stats]
+    # the scored stream is declared only when an item carries a failure score: a rollout
+    # worker never writes one, and its ACL user (``streamrl acl``) may not touch ``scored``
+    scored = keys.scored if any(score for _, _, score in items) else keys.dead
+    ks = [stream, keys.dead, scored, keys.stats]
     args: list[Any] = [group, consumer, done_ttl_s]
     for e, dl, score in items:
         tid = e.task_id or e.id

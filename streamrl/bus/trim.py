@@ -13,7 +13,8 @@ from streamrl.defaults import DEAD_CONSUMER_IDLE_MS, RETENTION_MS
 
 
 def trim_run(r: redis.Redis, run: str, retention_ms: int = RETENTION_MS) -> dict[str, int]:
-    """Trim every stream of every shard of the run."""
+    """Trim every stream of every shard of the run that this client may write (verify
+    workers may write them all; a producer on its ACL user trims only its tasks)."""
     scripts = Scripts(r)
     now_ms = int(time.time() * 1000)
     out = {}
@@ -21,7 +22,10 @@ def trim_run(r: redis.Redis, run: str, retention_ms: int = RETENTION_MS) -> dict
         for stream in keys.data_streams:
             if stream == keys.policy:
                 continue  # policy history is small and is what backends reload from
-            out[stream] = scripts.trim(keys=[stream], args=[retention_ms, now_ms])
+            try:
+                out[stream] = scripts.trim(keys=[stream], args=[retention_ms, now_ms])
+            except redis.exceptions.NoPermissionError:
+                continue  # a role's ACL user (``streamrl acl``) may not write this stream
     return out
 
 

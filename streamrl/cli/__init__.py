@@ -11,6 +11,7 @@ from streamrl import defaults as d
 from streamrl.bus.eviction import ENV_ALLOW, EvictingRedis
 from streamrl.bus.health import RunFaulted
 from streamrl.cli._common import Ctx
+from streamrl.cli.acl import acl_command
 from streamrl.cli.bench import bench
 from streamrl.cli.demo import demo
 from streamrl.cli.evaluate import audit_command, eval_command
@@ -134,7 +135,7 @@ for command in (
     *(status, metrics, watch, dead),  # observe: read a run without changing it
     *(trim, replay, reverify, export),  # streams: act on a run's streams
     *(eval_command, audit_command, sandbox_group),  # evaluate, sandbox
-    *(bench, demo),
+    *(bench, demo, acl_command),
     _LazyCommand("streamrl.cli.learn:learn_command", "learn", _LEARN_HELP),
 ):
     main.add_command(command)

@@ -29,12 +29,14 @@ It also differs from rq's plain ``Worker`` in ways a long run needs:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import time
 from typing import Any
 
 import redis
+from redis.exceptions import NoPermissionError
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
@@ -65,12 +67,17 @@ def _listed_runs(r: redis.Redis) -> list[str]:
     for run in runs:
         pipe.exists(Keys(run).config)
         pipe.exists(Keys(run).halt)
-    flags = pipe.execute()
+    flags = pipe.execute(raise_on_error=False)
     out = []
     for i, run in enumerate(runs):
         configured, halted = flags[2 * i], flags[2 * i + 1]
+        if isinstance(configured, NoPermissionError) or isinstance(halted, NoPermissionError):
+            continue  # a per-run ACL user (``streamrl acl``): another run's, not ours
+        if isinstance(configured, Exception) or isinstance(halted, Exception):
+            raise configured if isinstance(configured, Exception) else halted
         if not configured:
-            r.srem(RUNS_KEY, run)
+            with contextlib.suppress(NoPermissionError):  # the operator unlists it then
+                r.srem(RUNS_KEY, run)
         elif not halted:
             out.append(run)
     return out

@@ -222,7 +222,7 @@ def failures(r: redis.Redis, name: str) -> dict:
     """How many lease jobs failed, and the last line of the newest failure: a lease that
     crashes at start (a bad config, a backend that cannot load) shows up here."""
     registry = queue(r, name).failed_job_registry
-    ids = registry.get_job_ids()
+    ids = registry.get_job_ids(cleanup=False)  # a read: the observer's user may not write
     last = ""
     if ids:
         job = Job.fetch(ids[-1], connection=r, serializer=JSONSerializer)
