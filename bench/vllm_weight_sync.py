@@ -24,23 +24,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
-
 from streamrl.config import PolicyConfig
 from streamrl.local.vllm import VLLMServer, cached_smollm2
 from streamrl.policy.openai import OpenAIPolicy
 from streamrl.schema import PolicyVersion
-
-
-def write_version(base: Path, out: Path, scale: float) -> Path:
-    out.mkdir(parents=True)
-    for f in base.iterdir():
-        if f.is_file() and f.name != "model.safetensors":
-            shutil.copy(f, out / f.name)
-    state = load_file(str(base / "model.safetensors"))
-    state["model.norm.weight"] = state["model.norm.weight"] * scale
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+from tests.support.vllm import new_version
 
 
 async def sync_all(url: str, dirs: list[Path]) -> list[float]:
@@ -65,7 +53,7 @@ def main() -> None:
     base = cached_smollm2()
     work = Path(tempfile.mkdtemp(prefix="vllm-sync-"))
     try:
-        dirs = [write_version(base, work / f"v{i}", 1.0 + 0.01 * i) for i in range(1, 11)]
+        dirs = [new_version(base, work / f"v{i}", 1.0 + 0.01 * i) for i in range(1, 11)]
         dirs = [dirs[i % len(dirs)] for i in range(args.versions)]
         server = None if args.url else VLLMServer(base, cpus=args.cpus).start().wait_ready()
         url = args.url or server.url  # type: ignore[union-attr]
