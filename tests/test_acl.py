@@ -9,9 +9,13 @@ scripts on their keys, or read another run, and the observer cannot write but
 from __future__ import annotations
 
 import json
+import re
+import signal
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from collections import Counter
 
 import pytest
@@ -46,6 +50,32 @@ NEVER_STALE = 10**6
 def _cli(url: str, *args: str, env: dict) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "streamrl.cli", "--redis", url, "--run", RUN, *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+
+
+def _scrape_and_watch(url: str, env: dict) -> tuple[str, str]:
+    """One scrape of ``streamrl metrics`` and two seconds of ``streamrl watch``, both on
+    ``url``'s user: what the exporter served and what the live view drew."""
+    base = [sys.executable, "-m", "streamrl.cli", "--redis", url, "--run", RUN]
+    metrics = subprocess.Popen([*base, "metrics", "--port", "0", "--addr", "127.0.0.1"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=env)  # fmt: skip
+    watch = subprocess.Popen([*base, "watch", "--interval", "0.2"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True,
+                             env={**env, "COLUMNS": "200", "TERM": "dumb"})  # fmt: skip
+    try:
+        served = ""
+        for line in metrics.stdout:  # type: ignore[union-attr]
+            found = re.search(r"http://[0-9.]+:[0-9]+/metrics", line)
+            if found:
+                served = urllib.request.urlopen(found.group(0), timeout=30).read().decode()
+                break
+        time.sleep(2.0)
+    finally:
+        metrics.terminate()
+        watch.send_signal(signal.SIGINT)
+        watched = watch.communicate(timeout=30)[0]
+        metrics.communicate(timeout=30)
+    return served, watched
 
 
 def test_every_role_on_its_own_acl_user(tmp_path, subprocess_env):
@@ -165,6 +195,8 @@ def test_every_role_on_its_own_acl_user(tmp_path, subprocess_env):
         with pytest.raises(NoPermissionError):
             obs.get(other.key("secret"))
         status = _cli(url["observer"], "status", "--json", env=subprocess_env)
+        export = _cli(url["observer"], "export", "--format", "nemo-gym", env=subprocess_env)
+        scrape, watched = _scrape_and_watch(url["observer"], subprocess_env)
         p.procs = None  # the workers are stopped above
 
     own_run = [e for e in refused if f"{{{OTHER}}}" not in e["object"]]
@@ -179,6 +211,13 @@ def test_every_role_on_its_own_acl_user(tmp_path, subprocess_env):
     assert all("permission" in v for v in denied.values()), denied
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["groups_completed"] == PROMPTS
+    # the observer's other reads: export, the Prometheus exporter and the live view
+    assert export.returncode == 0, export.stderr
+    assert len(export.stdout.splitlines()) == PROMPTS * GROUP
+    assert "streamrl_redis_up 1.0" in scrape, scrape[:2000]
+    assert f'streamrl_groups_completed_total{{run="{RUN}"}} {float(PROMPTS)}' in scrape
+    assert "permission" not in watched.lower() and "Traceback" not in watched, watched[-2000:]
+    assert str(PROMPTS) in watched, watched[-2000:]
 
 
 def test_acl_prints_rules_and_refuses_a_bad_password_option(subprocess_env):
