@@ -16,8 +16,14 @@ def _progress(as_json: bool):
 
 
 @click.group()
-def bench() -> None:
+@click.pass_context
+def bench(ctx: click.Context) -> None:
     """Benchmarks that print JSON."""
+    from streamrl.local.demo import sigterm_as_interrupt
+
+    # ``kill <pid>`` stops a benchmark as Ctrl-C does: the workers, servers and private Redis
+    # it started go with it (a SIGTERMed soak used to leave its rq workers and Redis running)
+    ctx.with_resource(sigterm_as_interrupt())
 
 
 @bench.command("pipeline")
@@ -306,23 +312,20 @@ def bench_vs_trl(
                 f"python -m streamrl.models.gguf {model}",
                 param_hint="--model",
             )
-        from streamrl.local.demo import sigterm_as_interrupt
-
-        with sigterm_as_interrupt():  # stop every process started, as on Ctrl-C
-            res = vs_trl_agent(
-                runs=runs,
-                trl_lr=trl_lr if trl_lr is not None else 3e-5,
-                seconds=seconds or 480.0,
-                trl_seconds=trl_seconds,
-                target=target if target is not None else 0.5,
-                config=config_path,
-                model=model,
-                stop_reward=stop_reward,
-                eval_prompts=eval_prompts,
-                eval_k=eval_k,
-                together=together,
-                progress=say,
-            )
+        res = vs_trl_agent(
+            runs=runs,
+            trl_lr=trl_lr if trl_lr is not None else 3e-5,
+            seconds=seconds or 480.0,
+            trl_seconds=trl_seconds,
+            target=target if target is not None else 0.5,
+            config=config_path,
+            model=model,
+            stop_reward=stop_reward,
+            eval_prompts=eval_prompts,
+            eval_k=eval_k,
+            together=together,
+            progress=say,
+        )
     else:
         from streamrl.benchmarks.vs_trl import vs_trl
 
