@@ -121,7 +121,12 @@ def vllm():
     """The session's vLLM server (tests/support/vllm.py), on the base weights and serving."""
     if "session" not in _vllm:
         pytest.skip("the vLLM server is started only when collection selects a vLLM test")
-    shared = _vllm["session"].get()
+    from streamrl.local.vllm import VLLMCannotInstall
+
+    try:
+        shared = _vllm["session"].get()
+    except VLLMCannotInstall as e:  # no Python 3.11 or no package index: not streamrl's fault
+        pytest.skip(f"no vLLM on this machine: {e}")
     if shared.server is not None and not shared.server.alive():
         shared.server.restart().wait_ready()  # a fault test killed it
     shared.reset()

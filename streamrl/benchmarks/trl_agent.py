@@ -20,8 +20,9 @@ What is matched, and how (``streamrl bench vs-trl --task lookup`` runs it):
   turns (``max_tool_calling_iterations = 2``) of at most 36 sampled tokens each
   (``generation_kwargs``); TRL's budget for the whole multi-turn completion
   (``max_completion_length``) is 3 x 36 plus the two tool answers' tokens.
-- **Loss.** ``dapo``, group-scaled rewards, epsilon 0.2 / 0.28, beta 0, AdamW, 3 warm-up
-  steps then a constant LR, gradient norm clipped at 1.
+- **Loss and optimizer.** ``dapo``, group-scaled rewards, epsilon 0.2 / 0.28, beta 0; the
+  learner's own AdamW and schedule (``make_optimizer``, ``lr_at``: 3 warm-up steps at lr/3,
+  2lr/3, then lr), gradient norm clipped at 1.
 
 Differences TRL's API leaves: a tool cannot end the episode, so after ``submit`` the model gets
 its remaining turns (calls after ``submit`` change nothing); a reply whose tool call does not
@@ -233,8 +234,8 @@ def main() -> None:
         generation_kwargs={"max_new_tokens": args.max_new_tokens},  # per turn, as streamrl's
         temperature=args.temperature,
         learning_rate=args.lr,
-        lr_scheduler_type="constant_with_warmup",
-        warmup_steps=3,
+        # the schedule is streamrl's (below): transformers' constant_with_warmup starts at 0, so
+        # TRL's first step would not move the weights at all where streamrl's moves them by lr/3
         max_grad_norm=1.0,
         loss_type="dapo",
         scale_rewards="group",
@@ -251,8 +252,20 @@ def main() -> None:
         disable_tqdm=True,
         gradient_checkpointing=False,  # on by default in TRL; memory is not short here
     )
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.learner.config import LearnerConfig
+    from streamrl.learner.train import lr_at, make_optimizer
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    matched = LearnerConfig(model=args.model, lr=args.lr, warmup_steps=3)
+    optimizer = make_optimizer(model, matched)  # AdamW, the learner's betas, eps, decay
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_at(step, matched) / args.lr
+    )
     trainer = GRPOTrainer(
-        model=args.model,
+        model=model,
+        optimizers=(optimizer, schedule),
         args=config,
         train_dataset=datasets.Dataset.from_list(rows(20_000, args.seed)),
         processing_class=tok,

@@ -44,6 +44,12 @@ class VLLMUnavailable(RuntimeError):
     """The vLLM venv could not be created or the server did not come up (one line why)."""
 
 
+class VLLMCannotInstall(VLLMUnavailable):
+    """This machine cannot build the vLLM venv at all: no Python 3.11, or pip could not
+    install from the package index. Test suites skip on it; the server not coming up on a
+    venv that exists is a failure instead."""
+
+
 def venv_dir() -> Path:
     return Path(os.environ.get("STREAMRL_VLLM_VENV", d.VLLM_VENV)).expanduser()
 
@@ -61,7 +67,7 @@ def _find_python() -> str:
             return str(shutil.which(name))
     if sys.version_info[:2] == (3, 11):
         return sys.executable
-    raise VLLMUnavailable("vLLM's venv needs Python 3.11 (the CPU torch wheel's); none found")
+    raise VLLMCannotInstall("vLLM's venv needs Python 3.11 (the CPU torch wheel's); none found")
 
 
 def vllm_venv(path: str | Path | None = None, *, log: Path | None = None) -> Path:
@@ -91,7 +97,7 @@ def vllm_venv(path: str | Path | None = None, *, log: Path | None = None) -> Pat
             for step in steps:
                 done = subprocess.run(step, stdout=out, stderr=subprocess.STDOUT, check=False)
                 if done.returncode != 0:
-                    raise VLLMUnavailable(
+                    raise VLLMCannotInstall(
                         f"creating the vLLM venv failed at `{' '.join(step)}` "
                         f"(exit {done.returncode}; log: {log or 'not kept'})"
                     )
