@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from streamrl.envs.registry import env_class
 from streamrl.learner.batch import rewards_of
+from streamrl.learner.by_env import ByEnv
 from streamrl.learner.checkpoint import Counters
 from streamrl.schema import Group
 
@@ -55,8 +56,12 @@ class Outcomes:
     no_signal_run: int = 0  # no-signal groups in a row, up to now
     no_signal_reward: float = 0.0  # the sum of their (common) rewards
     no_signal_line: str = ""  # what was said about the current stretch ("" while none)
+    by_env: ByEnv = field(init=False)  # the same, and rewards, per environment (a mixture)
     _tops: dict[str, float | None] = field(default_factory=dict)
     _best: float | None = None  # the highest reward seen (the fallback top)
+
+    def __post_init__(self) -> None:
+        self.by_env = ByEnv(self.window)
 
     def top(self, group: Group) -> float | None:
         """The reward every sample must reach for ``group`` to count as solved."""
@@ -88,9 +93,11 @@ class Outcomes:
             self.no_signal_run, self.no_signal_reward, self.no_signal_line = 0, 0.0, ""
         return kind
 
-    def count(self, group: Group, zero_variance: bool, counters: Counters) -> None:
-        """``see`` the group, and count a zero-variance one as solved or no signal."""
+    def count(self, group: Group, zero_variance: bool, counters: Counters, behind: int = 0) -> None:
+        """``see`` the group, and count a zero-variance one as solved or no signal; note it
+        for its environment with its staleness (``behind``, in versions)."""
         kind = self.see(group, zero_variance)
+        self.by_env.see(group, kind, behind)
         if kind == SOLVED:
             counters.groups_solved += 1
         elif kind == NO_SIGNAL:
@@ -133,4 +140,5 @@ class Outcomes:
             "no_signal_rate": self.rate(NO_SIGNAL),
             "outcome_window": len(self.recent),
             "no_signal": self.no_signal_line,
+            **self.by_env.fields(),
         }
