@@ -102,11 +102,12 @@ class AdmissionConfig(_Cfg, kw_only=True):
 class TripwireConfig(_Cfg, kw_only=True):
     """One environment's reward-hacking tripwires (``[envs.tripwires]``;
     ``streamrl.producer.tripwires``). Each compares the environment's first ``window`` scored
-    samples with its latest ``window``; a tripwire that fires pauses the environment's
-    prompts when ``pause`` is set (``streamrl mix --resume NAME`` lifts it)."""
+    samples with its latest ``window``; a tripwire that fires is logged and shown in ``streamrl
+    status``, and pauses the environment's prompts when ``pause`` is set (``streamrl mix
+    --resume NAME`` lifts it): off by default, so a false alarm costs no training."""
 
     enabled: bool = True
-    pause: bool = True
+    pause: bool = False
     window: AtLeastOne = d.TRIPWIRE_WINDOW
     # reward up by at least this much while completion tokens or tool calls fell to at most
     # `collapse` of what they were

@@ -11,6 +11,8 @@ a new name.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from streamrl.config import MIXTURE, EnvEntry, Mixture, RunConfig
@@ -24,6 +26,7 @@ class EnvTable:
     entries: dict[str, EnvEntry] = field(default_factory=dict)
     envs: dict[str, Environment] = field(default_factory=dict)
     rewards: dict[str, RewardFunctions | None] = field(default_factory=dict)
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:
         if self.config.envs:
@@ -39,6 +42,14 @@ class EnvTable:
             mix = MIXTURE.decode(mix)
         for e in mix.envs if mix is not None else []:
             self.entries[e.name] = e
+
+    async def look_up(self, name: str, get: Callable[[], Awaitable[bytes | None]]) -> None:
+        """``learn`` the stored mixture (``get``) for a name not known yet, one lookup at a
+        time: the many episodes of a new environment that start at once cost one read of
+        Redis (and one connection of the pool), not one each."""
+        async with self._lock:
+            if not self.knows(name):
+                self.learn(await get())
 
     def env(self, name: str) -> Environment:
         env = self.envs.get(name)

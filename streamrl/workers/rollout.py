@@ -219,8 +219,7 @@ class _RolloutLease:
         dead-letters the task (infrastructure, never scored), anything else is a failed
         trajectory. A lost claim and the policy's failures pass through, for a retry."""
         try:
-            if not self.table.knows(task.env):  # added mid-run (`streamrl mix`): read the mix
-                self.table.learn(await self.r.get(self.keys.mix))
+            await self.table.look_up(task.env, lambda: self.r.get(self.keys.mix))  # `mix`
             env = self._env(task.env)
             if session is None:
                 session = await anew_session(env, task)

@@ -30,7 +30,9 @@ def test_mix_changes_mid_run_and_a_tripwire_pauses_the_hackable_env(
         policy=PolicyConfig(wrong_rate=0.0),
         envs=[
             EnvEntry(env="counter", weight=1),
-            EnvEntry(name="echo", env=ECHO, weight=1, tripwires=TripwireConfig(window=6)),
+            EnvEntry(
+                name="echo", env=ECHO, weight=1, tripwires=TripwireConfig(window=6, pause=True)
+            ),
         ],
     )
     env = {**subprocess_env, "COLUMNS": "250"}
