@@ -10,6 +10,7 @@ import re
 from streamrl import schema
 from streamrl.config import EnvEntry, PolicyConfig, RunConfig, TripwireConfig
 from streamrl.local.pipeline import LocalPipeline, xrange_all
+from streamrl.ops.drift import drift_report
 from streamrl.ops.status import collect
 from streamrl.producer import mixture
 from streamrl.producer.mixture import MixedProducer
@@ -61,6 +62,7 @@ def test_mix_changes_mid_run_and_a_tripwire_pauses_the_hackable_env(
         p.wait_groups(40, timeout=120)
         status = collect(p.r, run_name)
         shown = run_cli([*base, "status"], env)
+        drift = drift_report(p.r, run_name)  # re-verified through the mixture's names
         trajs = p.trajectories()
         scores = [schema.SCORE.decode(f[b"p"]) for _, f in xrange_all(p.r, p.keys.scored)]
     assert first.get("counter") and first.get("echo")
@@ -76,6 +78,9 @@ def test_mix_changes_mid_run_and_a_tripwire_pauses_the_hackable_env(
     }
     # `copy`, built by workers whose config never named it, scored by its own verifier
     assert sorted({s.reward for s in scores if s.env == "copy"}) == [1.0]
+    assert drift["samples"] == 80 and all(
+        (row["failed"], row["changed"]) == (0, 0) for row in drift["drift"]
+    ), drift
     rows = {row["name"]: row for row in status["mixture"]["envs"]}
     assert rows["echo"]["paused"] == fired["echo"] and rows["counter"]["removed"]
     assert rows["copy"]["share"] == 1.0 and rows["copy"]["dead_letters"] == 0
