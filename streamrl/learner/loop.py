@@ -211,7 +211,7 @@ class _Learner:
     outcomes: Outcomes = field(init=False)  # solved / no signal over the last groups
 
     def __post_init__(self) -> None:
-        self.outcomes = Outcomes(self.cfg.solved_window, self.cfg.solved_reward)
+        self.outcomes = Outcomes.for_run(self.cfg, self.r, self.keys.run)
 
     def covered(self, shard: int) -> str:
         """The newest entry of ``shard`` whose effect the checkpointed state holds."""

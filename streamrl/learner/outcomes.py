@@ -24,7 +24,9 @@ The window is not checkpointed: a restarted learner fills it again from the grou
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from streamrl.envs.registry import env_class
 from streamrl.learner.batch import rewards_of
@@ -36,6 +38,18 @@ SOLVED = "solved"
 NO_SIGNAL = "no_signal"
 SIGNAL = "signal"  # rewards vary within the group: something to learn from
 _EPS = 1e-9  # float noise in a reward that is meant to be the top one
+
+
+def env_specs(r: Any, run: str) -> Callable[[], dict[str, str]]:
+    """What a mixture's names stand for (name -> environment), read from the stored mixture
+    when asked: a name added mid-run is found on its first group."""
+    from streamrl.producer.mixture import load
+
+    def specs() -> dict[str, str]:
+        mix = load(r, run)
+        return {e.name: e.env for e in mix.envs} if mix is not None else {}
+
+    return specs
 
 
 def _env_top(name: str) -> float | None:
@@ -52,6 +66,7 @@ class Outcomes:
 
     window: int
     solved_reward: float | None = None  # the learner's setting (None: the environment's)
+    specs: Callable[[], dict[str, str]] | None = None  # a mixture's names (``env_specs``)
     recent: deque[str] = field(default_factory=deque)
     no_signal_run: int = 0  # no-signal groups in a row, up to now
     no_signal_reward: float = 0.0  # the sum of their (common) rewards
@@ -63,13 +78,19 @@ class Outcomes:
     def __post_init__(self) -> None:
         self.by_env = ByEnv(self.window)
 
+    @classmethod
+    def for_run(cls, cfg: Any, r: Any, run: str) -> Outcomes:
+        """The learner's: ``cfg`` its ``LearnerConfig``; a mixture's names resolved in Redis."""
+        return cls(cfg.solved_window, cfg.solved_reward, env_specs(r, run))
+
     def top(self, group: Group) -> float | None:
         """The reward every sample must reach for ``group`` to count as solved."""
         if self.solved_reward is not None:
             return self.solved_reward
         name = group.samples[0].trajectory.env if group.samples else ""
         if name not in self._tops:
-            self._tops[name] = _env_top(name) if name else None
+            spec = (self.specs() if self.specs is not None else {}).get(name, name)
+            self._tops[name] = _env_top(spec) if spec else None
         found = self._tops[name]
         return self._best if found is None else found
 

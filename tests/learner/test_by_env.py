@@ -89,3 +89,13 @@ def test_learner_status_and_metrics_show_each_environment(redis_url, r, tiny_dir
     assert scraped[("streamrl_env_dead_letters_total", "copy-hard")] == 1.0
     for family in ("solved_rate", "no_signal_rate", "samples_per_second", "staleness_mean"):
         assert ("streamrl_env_" + family, "copy") in scraped
+
+
+def test_a_mixture_name_is_solved_at_its_environments_top(tiny_dir):
+    """``copy-hard`` is no registered environment: the stored mixture says it is ``copy``,
+    whose max_reward is the top; unknown, the top falls back to the best reward seen."""
+    from streamrl.learner.outcomes import Outcomes
+
+    group = _relabel(make_groups(tiny_dir, 1, seed=5)[0], "copy-hard")
+    assert Outcomes(10, None, lambda: {"copy-hard": "copy"}).top(group) == 1.0
+    assert Outcomes(10, None).top(group) is None  # nothing seen yet
