@@ -50,3 +50,9 @@ def test_the_mixture_commands_run_as_written(redis_url, r, subprocess_env):
     assert rows["nim"]["share"] == 0.2 and rows["math-canaries"]["paused"] == ""
     assert info["mixture"]["version"] == 3  # nim added, copy re-weighted, counter removed
     assert "environments (mixture version 3)" in re.sub(r"\s+", " ", outs[-1].stdout)
+    bad = run_cli(["mix", "--env", "nosuch", "--weight", "1"], env)  # one line, nothing lost
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [
+        "Error: envs 'nosuch': unknown environment 'nosuch'; available: "
+        + bad.stderr.split("available: ", 1)[1].strip()
+    ]
+    assert json.loads(run_cli(["status", "--json"], env).stdout)["mixture"]["version"] == 3
