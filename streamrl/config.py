@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -98,6 +99,85 @@ class AdmissionConfig(_Cfg, kw_only=True):
     drop_probe_s: NonNegative = d.ADMISSION_DROP_PROBE_S
 
 
+class TripwireConfig(_Cfg, kw_only=True):
+    """One environment's reward-hacking tripwires (``[envs.tripwires]``;
+    ``streamrl.producer.tripwires``). Each compares the environment's first ``window`` scored
+    samples with its latest ``window``; a tripwire that fires is logged and shown in ``streamrl
+    status``, and pauses the environment's prompts when ``pause`` is set (``streamrl mix
+    --resume NAME`` lifts it): off by default, so a false alarm costs no training."""
+
+    enabled: bool = True
+    pause: bool = False
+    window: AtLeastOne = d.TRIPWIRE_WINDOW
+    # reward up by at least this much while completion tokens or tool calls fell to at most
+    # `collapse` of what they were
+    reward_rise: Positive = d.TRIPWIRE_REWARD_RISE
+    collapse: Fraction = d.TRIPWIRE_COLLAPSE
+    # at least this share of the latest rewarded answers restate the prompt (0: off)
+    restate: Fraction = d.TRIPWIRE_RESTATE
+    # one prompt in `canary_every` is a canary: one of `canaries` fixed prompts (generators
+    # only; 0: none); it fires when their mean reward moves by more than `canary_shift` from
+    # `canary_reward` (or from the first window's)
+    canary_every: Annotated[int, msgspec.Meta(ge=0)] = 0
+    canaries: AtLeastOne = d.TRIPWIRE_CANARIES
+    canary_shift: Positive = d.TRIPWIRE_CANARY_SHIFT
+    canary_reward: float | None = None
+
+
+class EnvEntry(_Cfg, kw_only=True):
+    """One environment of a weighted mixture (a ``[[envs]]`` table). Tasks carry ``name``;
+    the workers look it up here to build ``env`` with ``env_options`` and score it with
+    ``verifier`` (the run's own ``verifier`` when empty, else the environment's)."""
+
+    name: str = ""  # default: env
+    env: str
+    weight: NonNegative = 1.0
+    env_options: dict[str, Any] = msgspec.field(default_factory=dict)
+    verifier: str | list[str] = msgspec.field(default_factory=list)
+    reward_weights: list[float] = msgspec.field(default_factory=list)
+    dataset: str = ""  # rows (JSONL, Parquet, ...) instead of the environment's generator
+    # set by `streamrl mix --remove`: drawn no more, still known to the workers so what is
+    # already queued drains
+    removed: bool = False
+    tripwires: TripwireConfig = msgspec.field(default_factory=TripwireConfig)
+
+    def __post_init__(self) -> None:
+        self.name = self.name or self.env
+        if not re.fullmatch(r"[A-Za-z0-9_.:/-]+", self.name):
+            raise ValueError(f"envs: name {self.name!r} may hold only letters, digits and _.:/-")
+        if isinstance(self.verifier, str):
+            self.verifier = [self.verifier] if self.verifier else []
+        if self.reward_weights and len(self.reward_weights) != len(self.verifier):
+            raise ValueError(
+                f"envs {self.name!r}: reward_weights has {len(self.reward_weights)} values for "
+                f"{len(self.verifier)} reward functions"
+            )
+
+    @property
+    def live(self) -> bool:
+        """Drawn from (weight above 0 and not removed)."""
+        return self.weight > 0 and not self.removed
+
+
+class Mixture(_Cfg, kw_only=True):
+    """The run's environments and weights, at ``srl:{run}:mix``: written from the config's
+    ``[[envs]]`` by the first producer, changed by ``streamrl mix`` while the run goes on
+    (``version`` counts the changes); the producer and the workers re-read it."""
+
+    v: int = d.SCHEMA_VERSION
+    version: int = 0
+    envs: list[EnvEntry] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        names = [e.name for e in self.envs]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"envs: the names {', '.join(dup)} are used twice (give name =)")
+
+    def entry(self, name: str) -> EnvEntry | None:
+        return next((e for e in self.envs if e.name == name), None)
+
+
 class RunConfig(_Cfg, kw_only=True):
     """Everything a worker needs to know about a run; lives at ``srl:{run}:config``."""
 
@@ -116,6 +196,9 @@ class RunConfig(_Cfg, kw_only=True):
     # each); see streamrl.verifiers.reward_functions.
     verifier: str | list[str] = msgspec.field(default_factory=list)
     reward_weights: list[float] = msgspec.field(default_factory=list)
+    # A weighted mixture ([[envs]] tables), instead of `env`: each prompt's environment is
+    # drawn by weight (streamrl.producer.mixture); empty: every prompt is `env`'s.
+    envs: list[EnvEntry] = msgspec.field(default_factory=list)
     # The [learner] table, validated by the learner itself (streamrl.learner.config.
     # LearnerConfig): importing it here would pull torch into every worker.
     learner: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -128,6 +211,18 @@ class RunConfig(_Cfg, kw_only=True):
                 f"reward_weights has {len(self.reward_weights)} values for "
                 f"{len(self.verifier)} reward functions in verifier"
             )
+        if self.envs:
+            Mixture(envs=self.envs)  # the names are unique
+            if self.env_options:
+                raise ValueError("with [[envs]], give env_options in each [[envs]] table")
+            if not any(e.live for e in self.envs):
+                raise ValueError("envs: every weight is 0; give one environment a weight")
+
+    def mixture(self) -> Mixture:
+        """The run's environments as a mixture: its ``[[envs]]``, or ``env`` alone."""
+        if self.envs:
+            return Mixture(envs=list(self.envs))
+        return Mixture(envs=[EnvEntry(env=self.env, env_options=self.env_options)])
 
     @property
     def reward_functions(self) -> list[str]:
@@ -136,6 +231,7 @@ class RunConfig(_Cfg, kw_only=True):
 
 
 RUN_CONFIG = msgspec.msgpack.Decoder(RunConfig)
+MIXTURE = msgspec.msgpack.Decoder(Mixture)
 
 
 def load_toml(path: str | Path, type_: type[msgspec.Struct] = RunConfig) -> Any:

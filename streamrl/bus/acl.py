@@ -36,7 +36,18 @@ _OBSERVER_COMMANDS = "-@all +@read +@connection -@admin -@dangerous -@write +inf
 _SHARD = ("tasks", "rollouts", "scored", "groups", "dead", "stats", "session:*", "group:*",
           "producer:*", "none", "served:*")  # fmt: skip
 _WRITES = {
-    "producer": ("tasks", "producer:*", "producer_state", "stats"),
+    # the mixture's keys too: the producer seeds the mixture, pauses what trips a tripwire
+    # and counts dataset rows; `streamrl mix` runs as the producer (or an admin)
+    "producer": (
+        "tasks",
+        "producer:*",
+        "producer_state",
+        "stats",
+        "mix",
+        "mix_paused",
+        "mix_rows",
+        "tripped",
+    ),
     "rollout": (
         "tasks",
         "rollouts",

@@ -139,6 +139,26 @@ class Keys:
         return self.run_key("producer_state")
 
     @property
+    def mix(self) -> str:
+        """The run's weighted mixture of environments (``config.Mixture``, msgpack)."""
+        return self.run_key("mix")
+
+    @property
+    def mix_paused(self) -> str:
+        """Hash: environment name -> the one-line reason its prompts are paused (a tripwire)."""
+        return self.run_key("mix_paused")
+
+    @property
+    def tripped(self) -> str:
+        """Hash: environment name -> the last reward-hacking tripwire that fired on it."""
+        return self.run_key("tripped")
+
+    @property
+    def mix_rows(self) -> str:
+        """Hash: environment name -> rows of its dataset pushed so far (a mixture's datasets)."""
+        return self.run_key("mix_rows")
+
+    @property
     def data_streams(self) -> tuple[str, ...]:
         return (self.tasks, self.rollouts, self.scored, self.groups, self.policy, self.dead)
 

@@ -161,7 +161,11 @@ def produce(
     eviction.check(r, "producer")
     _open_run(r, c.control(r), cfg, keep_stored_shards=shards is None and config_path is None)
     admission, producer = _admitted_producer(r, cfg)
-    if rows is not None:
+    if cfg.envs:  # a weighted mixture, re-read from Redis before every batch
+        from streamrl.cli.mix import produce_mixture
+
+        res = produce_mixture(r, cfg, producer, count, seed)
+    elif rows is not None:
         standard = bool(cfg.verifier)  # reward functions get string prompts as strings
         res = producer.from_rows(rows, cfg.env, cfg.group_size, standard_prompts=standard)
     else:
@@ -222,10 +226,16 @@ def _runnable_env(cfg: RunConfig, skip_policy_check: bool) -> Any:
     from streamrl.policy import check_policy
     from streamrl.verifiers.reward_functions import RewardFunctionError, RewardFunctions
 
-    try:
-        env = make_env(cfg.env, **cfg.env_options)
-    except (UnknownEnvironment, ValueError, TypeError) as e:
-        raise click.ClickException(str(e)) from None
+    if cfg.envs:
+        from streamrl.cli.mix import checked_entry
+
+        envs = [checked_entry(e) for e in cfg.envs]
+        env = envs[0]
+    else:
+        try:
+            env = make_env(cfg.env, **cfg.env_options)
+        except (UnknownEnvironment, ValueError, TypeError) as e:
+            raise click.ClickException(str(e)) from None
     if cfg.verifier:
         try:
             RewardFunctions(cfg.reward_functions, cfg.reward_weights)

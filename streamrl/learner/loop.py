@@ -211,7 +211,7 @@ class _Learner:
     outcomes: Outcomes = field(init=False)  # solved / no signal over the last groups
 
     def __post_init__(self) -> None:
-        self.outcomes = Outcomes(self.cfg.solved_window, self.cfg.solved_reward)
+        self.outcomes = Outcomes.for_run(self.cfg, self.r, self.keys.run)
 
     def covered(self, shard: int) -> str:
         """The newest entry of ``shard`` whose effect the checkpointed state holds."""
@@ -256,11 +256,11 @@ class _Learner:
         if not has_tokens(group):
             w.counters.dropped_no_tokens += 1
             return
-        zero = is_zero_variance(group)
-        self.outcomes.count(group, zero, w.counters)  # solved, no signal, or signal
+        zero, behind = is_zero_variance(group), staleness(group, self.state.policy_version)
+        self.outcomes.count(group, zero, w.counters, behind)  # solved, no signal, or signal
         if zero:
             w.counters.dropped_zero_variance += 1
-        elif (behind := staleness(group, self.state.policy_version)) > self.cfg.max_staleness:
+        elif behind > self.cfg.max_staleness:
             w.counters.dropped_stale += 1
         else:
             w.counters.staleness[str(behind)] = w.counters.staleness.get(str(behind), 0) + 1
@@ -345,6 +345,7 @@ class _Learner:
                 grad_norm=round(stats.grad_norm, 4), lr=stats.lr, tokens=stats.tokens,
                 groups_consumed=consumed, dropped={k: v for k, v in drops.items() if v},
                 solved_rate=solved, no_signal_rate=no_signal, **stats.mismatch.means(),
+                **self.outcomes.by_env.line(),  # a mixture: reward and rates per environment
             )  # fmt: skip
         self.reporters.log(st.step, scalars)
 

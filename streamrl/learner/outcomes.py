@@ -24,10 +24,13 @@ The window is not checkpointed: a restarted learner fills it again from the grou
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from streamrl.envs.registry import env_class
 from streamrl.learner.batch import rewards_of
+from streamrl.learner.by_env import ByEnv
 from streamrl.learner.checkpoint import Counters
 from streamrl.schema import Group
 
@@ -35,6 +38,18 @@ SOLVED = "solved"
 NO_SIGNAL = "no_signal"
 SIGNAL = "signal"  # rewards vary within the group: something to learn from
 _EPS = 1e-9  # float noise in a reward that is meant to be the top one
+
+
+def env_specs(r: Any, run: str) -> Callable[[], dict[str, str]]:
+    """What a mixture's names stand for (name -> environment), read from the stored mixture
+    when asked: a name added mid-run is found on its first group."""
+    from streamrl.producer.mixture import load
+
+    def specs() -> dict[str, str]:
+        mix = load(r, run)
+        return {e.name: e.env for e in mix.envs} if mix is not None else {}
+
+    return specs
 
 
 def _env_top(name: str) -> float | None:
@@ -51,12 +66,22 @@ class Outcomes:
 
     window: int
     solved_reward: float | None = None  # the learner's setting (None: the environment's)
+    specs: Callable[[], dict[str, str]] | None = None  # a mixture's names (``env_specs``)
     recent: deque[str] = field(default_factory=deque)
     no_signal_run: int = 0  # no-signal groups in a row, up to now
     no_signal_reward: float = 0.0  # the sum of their (common) rewards
     no_signal_line: str = ""  # what was said about the current stretch ("" while none)
+    by_env: ByEnv = field(init=False)  # the same, and rewards, per environment (a mixture)
     _tops: dict[str, float | None] = field(default_factory=dict)
     _best: float | None = None  # the highest reward seen (the fallback top)
+
+    def __post_init__(self) -> None:
+        self.by_env = ByEnv(self.window)
+
+    @classmethod
+    def for_run(cls, cfg: Any, r: Any, run: str) -> Outcomes:
+        """The learner's: ``cfg`` its ``LearnerConfig``; a mixture's names resolved in Redis."""
+        return cls(cfg.solved_window, cfg.solved_reward, env_specs(r, run))
 
     def top(self, group: Group) -> float | None:
         """The reward every sample must reach for ``group`` to count as solved."""
@@ -64,7 +89,8 @@ class Outcomes:
             return self.solved_reward
         name = group.samples[0].trajectory.env if group.samples else ""
         if name not in self._tops:
-            self._tops[name] = _env_top(name) if name else None
+            spec = (self.specs() if self.specs is not None else {}).get(name, name)
+            self._tops[name] = _env_top(spec) if spec else None
         found = self._tops[name]
         return self._best if found is None else found
 
@@ -88,9 +114,11 @@ class Outcomes:
             self.no_signal_run, self.no_signal_reward, self.no_signal_line = 0, 0.0, ""
         return kind
 
-    def count(self, group: Group, zero_variance: bool, counters: Counters) -> None:
-        """``see`` the group, and count a zero-variance one as solved or no signal."""
+    def count(self, group: Group, zero_variance: bool, counters: Counters, behind: int = 0) -> None:
+        """``see`` the group, and count a zero-variance one as solved or no signal; note it
+        for its environment with its staleness (``behind``, in versions)."""
         kind = self.see(group, zero_variance)
+        self.by_env.see(group, kind, behind)
         if kind == SOLVED:
             counters.groups_solved += 1
         elif kind == NO_SIGNAL:
@@ -133,4 +161,5 @@ class Outcomes:
             "no_signal_rate": self.rate(NO_SIGNAL),
             "outcome_window": len(self.recent),
             "no_signal": self.no_signal_line,
+            **self.by_env.fields(),
         }

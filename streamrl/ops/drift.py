@@ -24,6 +24,7 @@ from streamrl.envs import Environment, make_env
 from streamrl.responses import items_from_json
 from streamrl.verifiers.reward_functions import RewardFunctions
 from streamrl.workers.context import read_config
+from streamrl.workers.envs import EnvTable
 from streamrl.workers.verify import VerifyFailure, verify_one
 
 _Pairs = Iterator[tuple[schema.Trajectory, schema.Score]]
@@ -45,18 +46,25 @@ def drift_report(
                 yield sample.trajectory, sample.score
 
     envs: dict[str, Environment] = {}
+    cfg = read_config(r.get(Keys(run).config))
+    # a mixture's names stand for its entries' environments and reward functions
+    table = EnvTable(cfg) if cfg is not None else None
+    if table is not None:
+        table.learn(r.get(Keys(run).mix))
 
     def env_for(traj: schema.Trajectory) -> Environment:
+        if table is not None and traj.env in table.entries:
+            return table.env(traj.env)
         env = envs.get(traj.env)
         if env is None:
             env = envs[traj.env] = make_env(traj.env, **(env_options or {}))
         return env
 
-    cfg = read_config(r.get(Keys(run).config))
-    rewards = None  # a run scored by TRL-style reward functions is re-scored by them
-    if cfg is not None and cfg.verifier:
-        rewards = RewardFunctions(cfg.reward_functions, cfg.reward_weights)
-    return {"run": run, **_compare(stored(), env_for, limit, timeout_s, rewards)}
+    def rewards_for(traj: schema.Trajectory) -> RewardFunctions | None:
+        # a run scored by TRL-style reward functions is re-scored by them
+        return table.reward_functions(traj.env) if table is not None else None
+
+    return {"run": run, **_compare(stored(), env_for, limit, timeout_s, rewards_for)}
 
 
 def _compare(
@@ -64,7 +72,7 @@ def _compare(
     env_for: Callable[[schema.Trajectory], Environment],
     limit: int | None = None,
     timeout_s: float = 10.0,
-    rewards: RewardFunctions | None = None,
+    rewards_for: Callable[[schema.Trajectory], RewardFunctions | None] = lambda _t: None,
 ) -> dict[str, Any]:
     """Re-score each (trajectory, old score) and count, per (old verifier -> new verifier),
     how many rewards moved and by how much."""
@@ -76,7 +84,7 @@ def _compare(
         if limit is not None and seen >= limit:
             break
         seen += 1
-        env = env_for(traj)
+        env, rewards = env_for(traj), rewards_for(traj)
         name, version = rewards.verifier_id if rewards is not None else env.verifier_id
         row = rows[(old.verifier, old.verifier_version, name, version)]
         row["samples"] += 1

@@ -70,6 +70,47 @@ class Families:
             "failure_kind: dead letters, never rewards.",
             labels=["run", "env", "kind"],
         )
+        env = ["run", "env"]
+        self.env_dead_letters = c(
+            "streamrl_env_dead_letters",
+            "Dead letters by the environment of their sample (folded since the exporter "
+            "started; `unknown`: a dataset row, or bytes that did not decode).",
+            labels=env,
+        )
+        self.env_weight = g(
+            "streamrl_env_weight", "An environment's weight in the run's mixture.", labels=env
+        )
+        self.env_paused = g(
+            "streamrl_env_paused",
+            "1 while a tripwire (or an operator) holds an environment's prompts back.",
+            labels=env,
+        )
+        self.env_tripped = g(
+            "streamrl_env_tripwire_fired", "1 once a reward-hacking tripwire fired.", labels=env
+        )
+        self.env_reward = g(
+            "streamrl_env_reward_mean",
+            "Mean reward of an environment's last groups the learner read.",
+            labels=env,
+        )
+        self.env_solved = g(
+            "streamrl_env_solved_rate", "Share of an environment's last groups solved.", labels=env
+        )
+        self.env_no_signal = g(
+            "streamrl_env_no_signal_rate",
+            "Share of an environment's last groups with no signal.",
+            labels=env,
+        )
+        self.env_rate = g(
+            "streamrl_env_samples_per_second",
+            "Samples of an environment the learner read per second, over its last groups.",
+            labels=env,
+        )
+        self.env_staleness = g(
+            "streamrl_env_staleness_mean",
+            "Mean policy versions behind, over an environment's last groups.",
+            labels=env,
+        )
         self.policy_version = g(
             "streamrl_policy_version", "Newest policy version announced.", labels=run
         )

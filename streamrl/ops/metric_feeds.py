@@ -16,6 +16,7 @@ from streamrl.bus.keys import Keys
 from streamrl.bus.values import as_str, id_order
 from streamrl.defaults import MASKED
 from streamrl.ops.metric_families import Families
+from streamrl.ops.status import env_of_dead_letter
 
 # Dead-letter reasons are free text (they carry the error); the label is the class.
 _DEAD_CLASSES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
@@ -103,6 +104,7 @@ class RunFeeds:
     failures: dict[str, int] = field(default_factory=dict)
     dead_letters: dict[tuple[str, str], int] = field(default_factory=dict)
     masked: dict[tuple[str, str], int] = field(default_factory=dict)  # (env, failure_kind)
+    dead_by_env: dict[str, int] = field(default_factory=dict)
 
     def fold(self, r: redis.Redis, keys: Keys, default_env: str, tail_max: int) -> None:
         """Fold the entries added since the last scrape, at most ``tail_max`` per stream;
@@ -125,7 +127,10 @@ class RunFeeds:
                 dl = schema.DEAD_LETTER.decode(fields[b"p"])
             except (KeyError, msgspec.DecodeError, msgspec.ValidationError):
                 key = ("unknown", "undecodable")
+                self.dead_by_env["unknown"] = self.dead_by_env.get("unknown", 0) + 1
             else:
+                env = env_of_dead_letter(dl)
+                self.dead_by_env[env] = self.dead_by_env.get(env, 0) + 1
                 masked = dl.kind.startswith(MASKED)
                 key = (dl.stage, "masked" if masked else dead_letter_class(dl.reason))
             self.dead_letters[key] = self.dead_letters.get(key, 0) + 1
@@ -140,3 +145,5 @@ class RunFeeds:
             f.dead_letters.add_metric([run, stage, reason], n)
         for (env, kind), n in sorted(self.masked.items()):
             f.masked_samples.add_metric([run, env, kind], n)
+        for env, n in sorted(self.dead_by_env.items()):
+            f.env_dead_letters.add_metric([run, env], n)

@@ -145,6 +145,7 @@ class _Collector(Collector):
 
         self._learner(f, run, keys, now)
         self._producer(f, run, keys)
+        self._mixture(f, run, keys)
         health = policy_health(r, keys, now)
         workers = health["workers"].values()
         f.faulted.add_metric([run], 1 if health["fault"] else 0)
@@ -217,6 +218,27 @@ class _Collector(Collector):
         in_flight = _num(raw.get("in_flight"))
         if in_flight is not None:
             f.producer_in_flight.add_metric([run], in_flight)
+
+    def _mixture(self, f: Families, run: str, keys: Keys) -> None:
+        """Per environment of a mixture: its weight, paused or tripped, the learner's figures."""
+        from streamrl.ops.status import mixture_status
+
+        learner = {as_str(k): as_str(v) for k, v in self.r.hgetall(keys.learner).items()}
+        mix = mixture_status(self.r, run, [], learner)  # dead letters: from the feeds
+        for row in (mix or {}).get("envs", []):
+            labels = [run, row["name"]]
+            f.env_weight.add_metric(labels, row["weight"])
+            f.env_paused.add_metric(labels, 1 if row["paused"] else 0)
+            f.env_tripped.add_metric(labels, 1 if row["tripped"] else 0)
+            for family, key in (
+                (f.env_reward, "reward_mean"),
+                (f.env_solved, "solved_rate"),
+                (f.env_no_signal, "no_signal_rate"),
+                (f.env_rate, "samples_per_s"),
+                (f.env_staleness, "staleness_mean"),
+            ):
+                if key in row:
+                    family.add_metric(labels, row[key])
 
     def _feeds_of(self, f: Families, run: str, keys: Keys) -> None:
         feeds = self._feeds.get(run)

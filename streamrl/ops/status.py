@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
 import redis
 
 from streamrl import schema
@@ -20,6 +21,61 @@ from streamrl.bus.streams import stage_groups
 from streamrl.bus.values import as_str
 from streamrl.connection import is_cluster
 from streamrl.defaults import MASKED, ROLLOUT_QUEUE, VERIFY_QUEUE
+from streamrl.producer import mixture
+
+_DEAD_SCAN = 10_000  # dead letters read per shard to count them by environment
+
+
+class _EnvOf(msgspec.Struct):
+    """The ``env`` of a dead letter's payload (a Task or a Trajectory), whatever else it holds."""
+
+    env: str = ""
+
+
+_ENV_OF = msgspec.msgpack.Decoder(_EnvOf)
+
+
+def env_of_dead_letter(dl: schema.DeadLetter) -> str:
+    """The environment of a dead letter's sample; "unknown" for a dataset row or bad bytes."""
+    try:
+        return _ENV_OF.decode(dl.payload).env or "unknown"
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return "unknown"
+
+
+def dead_letters_by_env(r: redis.Redis, shards: list[Keys]) -> dict[str, int]:
+    """Dead letters by environment, over the newest ``_DEAD_SCAN`` of each shard."""
+    out: dict[str, int] = {}
+    for k in shards:
+        for _eid, fields in r.xrevrange(k.dead, count=_DEAD_SCAN):
+            try:
+                env = env_of_dead_letter(schema.DEAD_LETTER.decode(fields[b"p"]))
+            except (KeyError, msgspec.DecodeError, msgspec.ValidationError):
+                env = "unknown"
+            out[env] = out.get(env, 0) + 1
+    return out
+
+
+def mixture_status(r: redis.Redis, run: str, shards: list[Keys], learner: dict) -> dict | None:
+    """The run's mixture (None without one): per environment its weight and share, whether
+    it is paused (and why) or removed, the last tripwire that fired, and the learner's
+    figures for it with its dead letters."""
+    mix = mixture.load(r, run)
+    if mix is None:
+        return None
+    held = mixture.paused(r, run)
+    tripped = {as_str(k): as_str(v) for k, v in r.hgetall(Keys(run).tripped).items()}
+    try:
+        figures = msgspec.json.decode(learner.get("per_env") or "{}", type=dict[str, dict])
+    except msgspec.DecodeError:
+        figures = {}
+    dead = dead_letters_by_env(r, shards)
+    rows = mixture.describe(mix, held)
+    for row in rows:
+        row.update(figures.get(row["name"], {}))
+        row["dead_letters"] = dead.get(row["name"], 0)
+        row["tripped"] = tripped.get(row["name"], "")
+    return {"version": mix.version, "envs": rows}
 
 
 def _num(v: Any) -> Any:
@@ -173,6 +229,9 @@ def collect(r: redis.Redis, run: str, control: redis.Redis | None = None) -> dic
         "policy_health": policy_health(r, keys),
         "redis": _redis_status(r, keys),
     }
+    mix = mixture_status(r, run, shards, learner)
+    if mix is not None:
+        info["mixture"] = mix
     if len(parts) > 1:
         info["shards"] = {
             k.label: {"node": node_of(r, k.tasks), **part}

@@ -100,12 +100,46 @@ def status_table(info: dict[str, Any]) -> Table:
         parts.append(Text(f"REDIS: {rd['eviction']}", style="bold red"))
     if rd.get("full"):
         parts.append(Text(f"REDIS: {rd['full']}", style="bold red"))
+    mix = info.get("mixture")
+    if mix:
+        parts.append(mixture_table(mix))
+        for row in mix["envs"]:
+            if row.get("paused"):
+                parts.append(Text(f"PAUSED {row['name']}: {row['paused']}", style="bold red"))
     health = info.get("policy_health") or {}
     if health.get("fault"):
         parts.append(Text(f"FAULT: {health['fault']}", style="bold red"))
     if health.get("workers"):
         parts.append(_policy_health_table(health["workers"]))
     return RichGroup(*parts)  # type: ignore[return-value]
+
+
+def mixture_table(mix: dict[str, Any]) -> Table:
+    """Per environment of a mixture: its weight and share of what is drawn now, and the
+    learner's figures for it over its last groups."""
+    t = Table(title=f"environments (mixture version {mix['version']})")
+    cols = ("env", "weight", "share", "reward", "solved", "no signal", "samples/s",
+            "dead letters", "staleness", "state")  # fmt: skip
+    for col in cols:
+        t.add_column(col)
+    for row in mix["envs"]:
+        state = "removed" if row.get("removed") else "paused" if row.get("paused") else "drawn"
+        if row.get("tripped") and not row.get("paused"):
+            state += f" ({row['tripped']})"
+        t.add_row(
+            row["name"],
+            f"{row['weight']:g}",
+            f"{100 * row['share']:.0f}%",
+            f"{row.get('reward_mean', 0.0):.3f}",
+            f"{100 * row.get('solved_rate', 0.0):.0f}%",
+            f"{100 * row.get('no_signal_rate', 0.0):.0f}%",
+            f"{row.get('samples_per_s', 0.0):.2f}",
+            str(row.get("dead_letters", 0)),
+            f"{row.get('staleness_mean', 0.0):.2f}",
+            state,
+            style="red" if row.get("paused") else None,
+        )
+    return t
 
 
 def _policy_health_table(workers: dict[str, dict[str, Any]]) -> Table:

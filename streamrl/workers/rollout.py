@@ -41,7 +41,7 @@ from streamrl.bus.streams import (
 )
 from streamrl.config import RunConfig
 from streamrl.defaults import ROLLOUT_GROUP, ROLLOUT_QUEUE
-from streamrl.envs import EnvUnavailable, make_env
+from streamrl.envs import EnvUnavailable
 from streamrl.envs.external import abandon
 from streamrl.policy import PolicyError, make_policy
 from streamrl.workers import leases
@@ -53,6 +53,7 @@ from streamrl.workers.context import (
     data_url,
     read_config,
 )
+from streamrl.workers.envs import EnvTable
 from streamrl.workers.episode import LostClaim, anew_session, finish, run_episode
 from streamrl.workers.policy_watch import PolicyWatch
 
@@ -157,11 +158,8 @@ class _RolloutLease:
 
     # ---------------------------------------------------------------- episodes
     def _env(self, name: str):
-        """Tasks name their environment; a run may mix several (options: the run's env)."""
-        env = self.envs.get(name)
-        if env is None:
-            env = self.envs[name] = make_env(name)
-        return env
+        """Tasks name their environment; a run may mix several (``workers.envs``)."""
+        return self.table.env(name)
 
     def _start(self, entries: list[Entry]) -> None:
         for e in entries:
@@ -221,6 +219,7 @@ class _RolloutLease:
         dead-letters the task (infrastructure, never scored), anything else is a failed
         trajectory. A lost claim and the policy's failures pass through, for a retry."""
         try:
+            await self.table.look_up(task.env, lambda: self.r.get(self.keys.mix))  # `mix`
             env = self._env(task.env)
             if session is None:
                 session = await anew_session(env, task)
@@ -287,10 +286,10 @@ class _RolloutLease:
             log.info(NO_SUCH_SHARD, shard=self.shard, shards=cfg.streams.shards)
             return self.counts
         self.keys, self.config = keys, cfg
-        self.envs = {cfg.env: make_env(cfg.env, **cfg.env_options)}
+        self.table = EnvTable(cfg)
         self.policy = make_policy(
             cfg.policy,
-            self.envs[cfg.env],
+            self.table.env(cfg.envs[0].name if cfg.envs else cfg.env),
             redis_url=self.url,
             run=self.run_name,
             env_for=self._env,
@@ -315,7 +314,7 @@ class _RolloutLease:
                 heartbeat.cancel()
             self.watch.close()
             await self.policy.close()
-            for env in self.envs.values():
+            for env in self.table.envs.values():
                 try:
                     await env.aclose()
                 except Exception as e:  # a pool that will not close must not fail the lease

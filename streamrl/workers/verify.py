@@ -32,12 +32,13 @@ from streamrl.bus.streams import (
 from streamrl.bus.trim import forget_idle_consumers, trim_run
 from streamrl.config import RunConfig
 from streamrl.defaults import MASKED, SCHEMA_VERSION, VERIFY_GROUP, VERIFY_QUEUE
-from streamrl.envs import Environment, SampleMasked, make_env
+from streamrl.envs import Environment, SampleMasked
 from streamrl.http import RetryPolicy
 from streamrl.verifiers.deadline import VerifierTimeout, deadline
 from streamrl.verifiers.reward_functions import RewardFunctions
 from streamrl.workers import leases
 from streamrl.workers.context import consumer_name, control_connection, read_config
+from streamrl.workers.envs import EnvTable
 
 log = structlog.get_logger("streamrl.verify")
 
@@ -125,25 +126,19 @@ class _VerifyLease:
         self.consumer = consumer
         self.seconds = seconds
         self.scripts = Scripts(r)
-        self.envs: dict[str, Environment] = {}
-        self._rewards: RewardFunctions | None = None
+        self.table: EnvTable | None = None  # the run's environments, once its config is read
         self.cursor = "0-0"
         self.counts = {"scored": 0, "duplicates": 0, "dead_lettered": 0, "lost_claim": 0}
 
-    def _env(self, name: str) -> Environment:
-        env = self.envs.get(name)
-        if env is None:
-            opts = self.config.env_options if name == self.config.env else {}
-            env = self.envs[name] = make_env(name, **opts)
-        return env
-
-    def _reward_functions(self) -> RewardFunctions | None:
-        """The run's reward functions (``verifier``), loaded on first use; None: each
-        environment verifies its own trajectories."""
-        if self._rewards is None and self.config.verifier:
-            cfg = self.config
-            self._rewards = RewardFunctions(cfg.reward_functions, cfg.reward_weights)
-        return self._rewards
+    def _env(self, name: str) -> tuple[Environment, RewardFunctions | None]:
+        """The environment ``name`` stands for and the reward functions that score it (None:
+        the environment's own verifier); a name not met yet is looked up in the stored
+        mixture first (``workers.envs``)."""
+        if self.table is None:
+            self.table = EnvTable(self.config)
+        if not self.table.knows(name):
+            self.table.learn(self.r.get(self.keys.mix))
+        return self.table.env(name), self.table.reward_functions(name)
 
     def _claim(self, own: bool, count: int) -> list[Entry]:
         args = claim_args(
@@ -205,8 +200,7 @@ class _VerifyLease:
                 failed.append(self._failure(e, f"rollout failed: {traj.failure}", traj))
                 continue
             try:
-                env = self._env(traj.env)
-                rewards = self._reward_functions()
+                env, rewards = self._env(traj.env)
                 score = verify_one(env, traj, cfg.verify.timeout_s, cfg.verify.retries, rewards)
             except SampleMasked as err:  # an environment failure, by its kind
                 failed.append(self._failure(e, str(err), traj, f"{MASKED}{err.kind}"))

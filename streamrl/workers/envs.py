@@ -1,0 +1,75 @@
+"""Which environment (and which reward functions) a task's ``env`` name stands for.
+
+A task names its environment. In a mixture that name is an ``[[envs]]`` entry's (its
+``env``, ``env_options`` and ``verifier``), looked up in the run's stored mixture; a name the
+worker has not met is looked up again in Redis first, so an environment added with
+``streamrl mix`` is built on its first task, with no restart. Any other name is an
+environment's own (the run's ``env`` with its options, or one a dataset row names).
+An environment is built once per lease and kept: an entry whose options change mid-run needs
+a new name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from streamrl.config import MIXTURE, EnvEntry, Mixture, RunConfig
+from streamrl.envs import Environment, make_env
+from streamrl.verifiers.reward_functions import RewardFunctions
+
+
+@dataclass
+class EnvTable:
+    config: RunConfig
+    entries: dict[str, EnvEntry] = field(default_factory=dict)
+    envs: dict[str, Environment] = field(default_factory=dict)
+    rewards: dict[str, RewardFunctions | None] = field(default_factory=dict)
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def __post_init__(self) -> None:
+        if self.config.envs:
+            self.learn(self.config.mixture())
+
+    def knows(self, name: str) -> bool:
+        """Built already, or an entry of the mixture read so far."""
+        return name in self.envs or name in self.entries
+
+    def learn(self, mix: Mixture | bytes | None) -> None:
+        """Take in the stored mixture (``srl:{run}:mix``, raw or decoded)."""
+        if isinstance(mix, bytes):
+            mix = MIXTURE.decode(mix)
+        for e in mix.envs if mix is not None else []:
+            self.entries[e.name] = e
+
+    async def look_up(self, name: str, get: Callable[[], Awaitable[bytes | None]]) -> None:
+        """``learn`` the stored mixture (``get``) for a name not known yet, one lookup at a
+        time: the many episodes of a new environment that start at once cost one read of
+        Redis (and one connection of the pool), not one each."""
+        async with self._lock:
+            if not self.knows(name):
+                self.learn(await get())
+
+    def env(self, name: str) -> Environment:
+        env = self.envs.get(name)
+        if env is None:
+            entry = self.entries.get(name)
+            if entry is not None:
+                env = make_env(entry.env, **entry.env_options)
+            else:
+                opts = self.config.env_options if name == self.config.env else {}
+                env = make_env(name, **opts)
+            self.envs[name] = env
+        return env
+
+    def reward_functions(self, name: str) -> RewardFunctions | None:
+        """The reward functions that score ``name``'s samples: its entry's, else the run's;
+        None: the environment verifies its own."""
+        if name not in self.rewards:
+            entry = self.entries.get(name)
+            names, weights = self.config.reward_functions, self.config.reward_weights
+            if entry is not None and entry.verifier:
+                names, weights = list(entry.verifier), entry.reward_weights
+            self.rewards[name] = RewardFunctions(names, weights) if names else None
+        return self.rewards[name]
