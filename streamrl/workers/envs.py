@@ -47,6 +47,8 @@ class EnvTable:
         """``learn`` the stored mixture (``get``) for a name not known yet, one lookup at a
         time: the many episodes of a new environment that start at once cost one read of
         Redis (and one connection of the pool), not one each."""
+        if self.knows(name):  # every episode asks: the known names take no lock
+            return
         async with self._lock:
             if not self.knows(name):
                 self.learn(await get())
