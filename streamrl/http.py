@@ -42,6 +42,13 @@ def httpx_api() -> Any:
             ) from None
 
 
+def server_root(base_url: str) -> str:
+    """``http://host:8000/v1/`` and ``http://host:8000`` both name an OpenAI-compatible
+    server's root."""
+    root = base_url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
 class Retryable(Exception):
     """Raised by an attempt to ask for another; its message says why (the last one is what
     ``give_up`` reports)."""

@@ -60,6 +60,7 @@ _WRITES = {
         "stats",
         "dead",
         "topup:*",
+        "judge:*",  # the judge's call pool and answer cache (verifiers/judge.py)
     ),
     "learner": ("*",),
     "observer": (),

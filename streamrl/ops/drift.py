@@ -55,7 +55,7 @@ def drift_report(
     cfg = read_config(r.get(Keys(run).config))
     rewards = None  # a run scored by TRL-style reward functions is re-scored by them
     if cfg is not None and cfg.verifier:
-        rewards = RewardFunctions(cfg.reward_functions, cfg.reward_weights)
+        rewards = RewardFunctions.of_run(cfg, r)  # a judge answers from its cache
     return {"run": run, **_compare(stored(), env_for, limit, timeout_s, rewards)}
 
 

@@ -141,8 +141,7 @@ class _VerifyLease:
         """The run's reward functions (``verifier``), loaded on first use; None: each
         environment verifies its own trajectories."""
         if self._rewards is None and self.config.verifier:
-            cfg = self.config
-            self._rewards = RewardFunctions(cfg.reward_functions, cfg.reward_weights)
+            self._rewards = RewardFunctions.of_run(self.config, self.r)
         return self._rewards
 
     def _claim(self, own: bool, count: int) -> list[Entry]:

@@ -1,0 +1,231 @@
+"""The judge verifier through real rq verifier workers, against a real judge process
+(``tests/support/judge_server.py``: a tiny transformers model sampling its answers behind
+``POST /v1/chat/completions``), combined by weight with a TRL-style exact-answer check.
+
+- Every sample is scored, its Score holding the judge's prompt, raw answer and parsed score,
+  and the reward is the weighted sum of what the judge's own answer says and the check.
+- Three verifier worker processes share one pool of 2: the server never sees more than 2
+  calls at once (it counts them itself).
+- Re-verifying the stored trajectories (``streamrl reverify``'s drift report) makes no call.
+- 429 answers and the server SIGKILLed mid-run and started again: every sample is scored from
+  a judge answer or dead-lettered with the judge's failure; none is a 0 made of a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from streamrl import schema
+from streamrl.config import JudgeConfig, PolicyConfig, RunConfig, StreamConfig, VerifyConfig
+from streamrl.local.pipeline import LocalPipeline, xrange_all
+from streamrl.ops.drift import drift_report
+from streamrl.producer.datasets import open_rows
+from streamrl.producer.produce import Producer
+from streamrl.verifiers.judge import judge_stats
+from tests.support.judge_server import SERVED, save_judge_model
+from tests.support.waiting import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+LIMIT = 2
+WORKERS = 3
+CHECK = "examples.trl_rewards:exact_answer"
+RUBRIC = "Question: {prompt} Expected: {ground_truth} Answer: {response} Score:"
+
+
+class JudgeProcess:
+    """The judge server as a process this test owns: started, SIGKILLed, started again on
+    the same port (the run's config names it)."""
+
+    def __init__(self, model_dir: Path, log: Path) -> None:
+        self.model_dir, self.log = model_dir, log
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.incarnations: list[dict[str, Any]] = []  # the last stats of each killed process
+
+    def start(self, delay_s: float = 0.0) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.judge_server", str(self.model_dir),
+             str(self.port), str(delay_s)],
+            cwd=ROOT, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
+        )  # fmt: skip
+        wait_for(lambda: self.stats() is not None, "the judge server to listen", 60, every=0.1)
+
+    def stats(self) -> dict[str, Any] | None:
+        try:
+            with urllib.request.urlopen(self.url + "/stats", timeout=5) as resp:
+                return json.loads(resp.read())
+        except OSError:
+            return None
+
+    def admin(self, **knobs: Any) -> None:
+        req = urllib.request.Request(self.url + "/admin", data=json.dumps(knobs).encode())
+        urllib.request.urlopen(req, timeout=5).close()
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.incarnations.append(self.stats() or {})
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def judge(tmp_path_factory):
+    d = tmp_path_factory.mktemp("judge")
+    server = JudgeProcess(save_judge_model(d / "model"), d / "server.log")
+    server.start(delay_s=0.15)  # each call stays in flight a while: the pool has to hold
+    yield server
+    server.stop()
+
+
+def _config(run: str, url: str, **judge: Any) -> RunConfig:
+    return RunConfig(
+        run=run,
+        env="chat",
+        env_options={"reference": "{ground_truth}"},
+        group_size=2,
+        policy=PolicyConfig(wrong_rate=0.25),
+        verifier=["judge", CHECK],
+        reward_weights=[0.5, 0.5],
+        judge=JudgeConfig(
+            base_url=url + "/v1",
+            model=SERVED,
+            prompt=RUBRIC,
+            score_pattern=r"(\d)",
+            max_score=9,
+            temperature=1.0,
+            max_tokens=4,
+            max_in_flight=LIMIT,
+            **judge,
+        ),
+        verify=VerifyConfig(timeout_s=60, retries=2, batch=4),
+        streams=StreamConfig(claim_idle_ms=3000, heartbeat_s=0.5),
+    )
+
+
+def _rows(path: Path, n: int) -> Path:
+    rows = [{"prompt": f"What is {i} + {i}?", "ground_truth": str(2 * i)} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _run(p: LocalPipeline, rows: Path, prompts: int) -> None:
+    res = Producer(p.r, p.config.run).from_rows(open_rows(rows), "chat", 2, standard_prompts=True)
+    assert res.prompts == prompts and not res.rejected
+
+
+def _scores(p: LocalPipeline) -> list[schema.Score]:
+    return [schema.SCORE.decode(f[b"p"]) for _, f in xrange_all(p.r, p.keys.scored)]
+
+
+def _dead(p: LocalPipeline) -> list[schema.DeadLetter]:
+    return [schema.DEAD_LETTER.decode(f[b"p"]) for _, f in xrange_all(p.r, p.keys.dead)]
+
+
+def _check_scored(s: schema.Score, answers: dict[str, str]) -> None:
+    """The reward is made of the judge's own answer and the exact check, nothing else."""
+    j = s.info["judge"]
+    first = re.search(r"\d", j["raw"])
+    assert first is not None and j["score"] == float(first.group())
+    assert j["prompt"].startswith("Question: What is") and "Score:" in j["prompt"]
+    assert s.info["reward_functions"]["judge"] == pytest.approx(j["score"] / 9)
+    exact = s.info["reward_functions"]["exact_answer"]
+    expected = re.search(r"Expected: (\S+) Answer:", j["prompt"]).group(1)
+    assert exact == (1.0 if answers[s.task_id].strip() == expected else 0.0)
+    assert s.reward == pytest.approx(0.5 * j["score"] / 9 + 0.5 * exact)
+
+
+def _answers(p: LocalPipeline) -> dict[str, str]:
+    out = {}
+    for _, f in xrange_all(p.r, p.keys.rollouts):
+        t = schema.TRAJECTORY.decode(f[b"p"])
+        out[t.task_id] = t.items[-1].content
+    return out
+
+
+def test_judge_scores_every_sample_within_the_pool_and_pays_once(
+    judge, redis_url, subprocess_env, tmp_path
+):
+    prompts = 8
+    before = judge.stats()["calls"]
+    cfg = _config("judge-ok", judge.url)
+    with LocalPipeline(cfg, url=redis_url, directory=tmp_path, worker_env=subprocess_env) as p:
+        _run(p, _rows(tmp_path / "rows.jsonl", prompts), prompts)
+        p.start_workers(rollout=1, verify=WORKERS)
+        p.wait_groups(prompts, timeout=120)
+        scores, dead, answers = _scores(p), _dead(p), _answers(p)
+        judged = judge_stats(p.r, cfg.run)
+        calls = judge.stats()["calls"] - before
+        again = drift_report(p.r, cfg.run)  # re-verify every stored trajectory
+        after = judge.stats()
+        rejudged = judge_stats(p.r, cfg.run)
+    assert not dead and len(scores) == 2 * prompts
+    for s in scores:
+        assert s.reward is not None, s.failure
+        _check_scored(s, answers)
+    # every call the workers made reached the server; a sample whose judge input had been
+    # answered (the same answer to the same question) was not sent again, an unparseable
+    # answer was asked again
+    distinct = len({s.info["judge"]["prompt"] for s in scores})
+    assert judged["samples"] == 2 * prompts and judged["calls"] == calls
+    assert judged.get("cached", 0) == 2 * prompts - distinct and calls >= distinct
+    assert after["max_in_flight"] <= LIMIT  # 3 workers, one pool of 2
+    # the cache: re-verifying 16 samples made no call and changed no reward
+    (row,) = again["drift"]
+    assert row["samples"] == 2 * prompts and row["changed"] == row["failed"] == 0
+    assert after["calls"] - before == calls
+    assert rejudged["cached"] - judged.get("cached", 0) == 2 * prompts
+    assert rejudged["calls"] == calls
+    print(
+        f"\njudge figures: run {judged}, reverify {rejudged}; distinct judge inputs "
+        f"{distinct}; server calls {calls} then {after['calls'] - before}; "
+        f"server max in flight {after['max_in_flight']}"
+    )
+
+
+def test_429_and_a_killed_judge_are_never_a_reward(judge, redis_url, subprocess_env, tmp_path):
+    prompts = 8
+    cfg = _config("judge-chaos", judge.url, retries=8, backoff_s=0.2, backoff_max_s=1.0)
+    judge.admin(fail_next=6, status=429)
+    with LocalPipeline(cfg, url=redis_url, directory=tmp_path, worker_env=subprocess_env) as p:
+        _run(p, _rows(tmp_path / "rows.jsonl", prompts), prompts)
+        p.start_workers(rollout=1, verify=WORKERS)
+        wait_for(lambda: judge.stats()["statuses"].get("200", 0) >= 12, "judge answers", 120)
+        seen_429 = judge.stats()["statuses"].get("429", 0)
+        judge.kill()  # mid-run: calls in flight die with it
+        judge.start(delay_s=0.15)
+        p.wait_groups(prompts, timeout=120)
+        scores, dead, answers = _scores(p), _dead(p), _answers(p)
+        judged = judge_stats(p.r, cfg.run)
+    judge.incarnations.append(judge.stats())
+    assert seen_429 == 6
+    rewarded = [s for s in scores if s.reward is not None]
+    for s in rewarded:
+        _check_scored(s, answers)
+    failed = [s for s in scores if s.reward is None]
+    assert all("judge" in s.failure for s in failed)
+    assert all(d.stage == "verify" and "judge" in d.reason for d in dead)
+    assert len({s.task_id for s in rewarded}) + len(dead) == 2 * prompts
+    assert max(st["max_in_flight"] for st in judge.incarnations) <= LIMIT
+    print(
+        f"\n429s served {seen_429}; scored {len(rewarded)}, dead-lettered {len(dead)}; "
+        f"judge figures {judged}; max in flight per server process "
+        f"{[st['max_in_flight'] for st in judge.incarnations]}"
+    )
