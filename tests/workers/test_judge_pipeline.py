@@ -7,6 +7,9 @@
 - Three verifier worker processes share one pool of 2: the server never sees more than 2
   calls at once (it counts them itself).
 - Re-verifying the stored trajectories (``streamrl reverify``'s drift report) makes no call.
+- A judge that hangs: its calls time out, are given up (the server sees its clients go), and
+  the sample is a verifier failure; nothing is cached.
+- The README's judge example, its config as written but for the endpoint.
 - 429 answers and the server SIGKILLed mid-run and started again: every sample is scored from
   a judge answer or dead-lettered with the judge's failure; none is a 0 made of a failure.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -24,14 +28,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
 from streamrl import schema
+from streamrl.bus.keys import Keys
+from streamrl.cli import main
 from streamrl.config import JudgeConfig, PolicyConfig, RunConfig, StreamConfig, VerifyConfig
+from streamrl.envs import make_env
 from streamrl.local.pipeline import LocalPipeline, xrange_all
 from streamrl.ops.drift import drift_report
 from streamrl.producer.datasets import open_rows
 from streamrl.producer.produce import Producer
+from streamrl.schema import Message, Task, Trajectory
 from streamrl.verifiers.judge import judge_stats
+from streamrl.verifiers.reward_functions import RewardFunctions
+from streamrl.workers.context import read_config
+from streamrl.workers.verify import VerifyFailure, verify_one
 from tests.support.judge_server import SERVED, save_judge_model
 from tests.support.waiting import wait_for
 
@@ -200,15 +212,86 @@ def test_judge_scores_every_sample_within_the_pool_and_pays_once(
     )
 
 
+def test_a_hanging_judge_is_a_failure_and_its_calls_are_given_up(judge, r):
+    cfg = _config("judge-hang", judge.url, timeout_s=0.5, retries=1, backoff_s=0.05)
+    rewards = RewardFunctions.of_run(cfg, r)
+    task = Task(
+        task_id="p:0",
+        prompt_id="p",
+        k=0,
+        group_size=1,
+        env="chat",
+        input=[Message(role="user", content="What is 1 + 1?")],
+        data={"ground_truth": "2"},
+    )
+    traj = Trajectory(task_id="p:0", prompt_id="p", k=0, group_size=1, env="chat",
+                      items=[*task.input, Message(role="assistant", content="2")], n_input=1,
+                      turns=[], status="completed", data=task.data)  # fmt: skip
+    judge.admin(hang=True)
+    try:
+        with pytest.raises(VerifyFailure, match=r"judge timed out .* \(after 2 attempts\)"):
+            verify_one(make_env("chat"), traj, timeout_s=30, retries=0, rewards=rewards)
+        # each attempt held a slot only while its request was out; the server saw both go
+        wait_for(lambda: judge.stats()["in_flight"] == 0, "the server to drop the calls", 10)
+    finally:
+        judge.admin(hang=False)
+    assert judge_stats(r, cfg.run) == {"calls": 2, "failures": 1}
+    assert not r.keys("*judge:cache*")  # nothing to remember
+    assert all(not r.zcard(k) for k in r.keys("*judge:pool*busy"))  # no slot left held
+
+
+def test_the_readme_judge_example(judge, r, redis_url, tmp_path, monkeypatch):
+    """The README's config and commands as written, but for the endpoint: this suite's judge
+    server, its model, and temperature 1 (a tiny random model names a grade only when it
+    samples). The producer's tasks are then graded in this process."""
+    section = (ROOT / "README.md").read_text().split("## LLM judges", 1)[1].split("\n## ", 1)[0]
+    config = re.search(r"```toml\n(.*?)```", section, re.S).group(1)
+    endpoint = 'base_url = "http://127.0.0.1:8001/v1"'
+    assert endpoint in config and '\nmodel = "judge"\n' in config
+    config = config.replace(endpoint, f'base_url = "{judge.url}/v1"').replace(
+        '\nmodel = "judge"\n', f'\nmodel = "{SERVED}"\ntemperature = 1.0\n'
+    )
+    (tmp_path / "judge.toml").write_text(config)
+    produce = re.search(r"```bash\n(streamrl produce .*?)\n(?!\s)", section, re.S).group(1)
+    argv = shlex.split(produce.replace("\\\n", " "))[1:]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    done = CliRunner().invoke(
+        main, argv, env={"STREAMRL_REDIS_URL": redis_url}, catch_exceptions=False
+    )
+    assert done.exit_code == 0, done.output
+    cfg = read_config(r.get(Keys("judge-add").config))
+    assert cfg.verifier == ["judge", "examples.trl_rewards:no_extra_words"]
+    rewards = RewardFunctions.of_run(cfg, r)
+    tasks = [schema.TASK.decode(f[b"p"]) for _, f in xrange_all(r, Keys(cfg.run).tasks)]
+    assert len(tasks) == 64 * 4
+    for task in tasks[:8:4]:  # two prompts, answered right (the scripted policy's reference)
+        answer = Message(role="assistant", content=task.data["ground_truth"])
+        traj = Trajectory(task_id=task.task_id, prompt_id=task.prompt_id, k=task.k,
+                          group_size=task.group_size, env=task.env, items=[*task.input, answer],
+                          n_input=len(task.input), turns=[], status="completed",
+                          data=task.data)  # fmt: skip
+        verdict = rewards.score(task, traj)
+        j = verdict.info["judge"]
+        assert f"Reference answer: {task.data['ground_truth']}" in j["prompt"]
+        assert j["score"] == float(re.search(r"\d+", j["raw"]).group())
+        assert verdict.reward == pytest.approx(0.8 * j["score"] / 10 + 0.2 * 1.0)
+
+
 def test_429_and_a_killed_judge_are_never_a_reward(judge, redis_url, subprocess_env, tmp_path):
     prompts = 8
     cfg = _config("judge-chaos", judge.url, retries=8, backoff_s=0.2, backoff_max_s=1.0)
+    base = judge.stats()["statuses"]
+
+    def served(status: str) -> int:
+        return judge.stats()["statuses"].get(status, 0) - base.get(status, 0)
+
     judge.admin(fail_next=6, status=429)
     with LocalPipeline(cfg, url=redis_url, directory=tmp_path, worker_env=subprocess_env) as p:
         _run(p, _rows(tmp_path / "rows.jsonl", prompts), prompts)
         p.start_workers(rollout=1, verify=WORKERS)
-        wait_for(lambda: judge.stats()["statuses"].get("200", 0) >= 12, "judge answers", 120)
-        seen_429 = judge.stats()["statuses"].get("429", 0)
+        wait_for(lambda: served("429") >= 6 and served("200") >= 6, "429s, then answers", 120)
+        seen_429 = served("429")
         judge.kill()  # mid-run: calls in flight die with it
         judge.start(delay_s=0.15)
         p.wait_groups(prompts, timeout=120)
