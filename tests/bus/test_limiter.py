@@ -68,3 +68,35 @@ def test_slot_waits_for_a_free_one_and_gives_up_with_a_reason(r):
         assert waited >= 0 and b.in_flight() == 1
     t.join()
     assert b.in_flight() == 0
+
+
+def test_the_verify_role_may_use_the_judge_pool_and_cache(r, redis_server):
+    """A verifier worker on its least-privilege ACL user (``streamrl acl``) can take and give
+    back a slot and write the judge's cache and figures; the observer only reads them."""
+    import redis
+
+    from streamrl.bus.acl import users
+
+    made = {u.role: u for u in users("limits")}
+    for role in ("verify", "observer"):
+        r.execute_command("ACL", "SETUSER", *made[role].setuser())
+    try:
+
+        def as_user(role: str) -> redis.Redis:
+            u = made[role]
+            return redis.Redis(port=redis_server.port, username=u.name, password=u.password)
+
+        verify = as_user("verify")
+        keys = Keys("limits")
+        (pool,) = _pools(verify, 1)
+        with pool.slot(wait_s=5):
+            assert pool.in_flight() == 1
+        verify.set(keys.judge_cache("v1", "digest"), b"answer")
+        verify.hincrby(keys.judge_stats, "calls", 1)
+        observer = as_user("observer")
+        assert observer.hget(keys.judge_stats, "calls") == b"1"
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            observer.set(keys.judge_cache("v1", "digest"), b"forged")
+    finally:
+        for role in ("verify", "observer"):
+            r.acl_deluser(made[role].name)
