@@ -14,6 +14,10 @@ One call, in order:
 4. ``POST /v1/chat/completions``; the first group of ``score_pattern``'s first match in the
    answer is the score N, and the reward is ``(N - min_score) / (max_score - min_score)``.
 
+A verifier worker first asks for its whole batch side by side (``prefetch``: up to
+``max_in_flight`` threads, every call still under the pool), then scores the batch in order
+from those answers, so one worker keeps the judge busy instead of waiting on each answer.
+
 Failures are infrastructure, never a reward: a connection error, a time-out, 408/425/429/5xx,
 an answer that is not a chat completion or holds no score in ``[min_score, max_score]`` are
 retried ``retries`` times with capped exponential backoff (each attempt holding a pool slot
@@ -31,6 +35,8 @@ import math
 import os
 import re
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import msgspec
@@ -120,6 +126,10 @@ def config_version(cfg: JudgeConfig) -> str:
     return f"{cfg.version}-{hashlib.sha256(repr(what).encode()).hexdigest()[:10]}"
 
 
+def _digest(messages: list[dict[str, str]]) -> str:
+    return hashlib.sha256(json.dumps(messages).encode()).hexdigest()
+
+
 def _snippet(text: str) -> str:
     text = " ".join(text.split())
     return text if len(text) <= _SNIPPET else text[:_SNIPPET] + "..."
@@ -137,6 +147,7 @@ class Judge:
         self.version = config_version(cfg)
         self.retry = RetryPolicy(cfg.retries + 1, cfg.backoff_s, cfg.backoff_max_s)
         self._client: Any = None
+        self._ready: dict[str, tuple[JudgeAnswer, int, bool] | BaseException] = {}
         self._pool: CallPool | None = None
         endpoint = hashlib.sha256(self.root.encode()).hexdigest()[:12]
         if r is not None and self.keys is not None:
@@ -157,22 +168,12 @@ class Judge:
         """The reward in [0, 1] and what to keep in ``Score.info["judge"]``."""
         start = time.monotonic()
         messages = self.messages(task, trajectory)
-        digest = hashlib.sha256(json.dumps(messages).encode()).hexdigest()
-        cached = self._cached(digest)
-        calls = 0
-        if cached is not None:
-            answer = cached
-        else:
-
-            def attempt() -> JudgeAnswer:
-                nonlocal calls
-                calls += 1
-                self._count("calls", 1)  # before the call: a call cut short counts too
-                return self._ask(messages)
-
-            answer = self.retry.call(attempt, self._give_up)
-            self._store(digest, answer)
-        self._count("samples", 1, "cached", int(cached is not None))
+        digest = _digest(messages)
+        ready = self._ready.pop(digest, None)  # asked for already by ``prefetch``
+        if isinstance(ready, BaseException):
+            raise ready  # the sample's first attempt; the verifier worker makes the next
+        answer, calls, cached = ready if ready is not None else self._answer(messages, digest)
+        self._count("samples", 1, "cached", int(cached))
         cfg = self.cfg
         reward = (answer.score - cfg.min_score) / (cfg.max_score - cfg.min_score)
         info = {
@@ -181,11 +182,57 @@ class Judge:
             "score": answer.score,
             "model": cfg.model,
             "version": self.version,
-            "cached": cached is not None,
+            "cached": cached,
             "calls": calls,
             "seconds": round(time.monotonic() - start, 4),
         }
         return reward, info
+
+    def prefetch(
+        self, samples: list[tuple[Task, Trajectory]], beat: Callable[[], None], every_s: float
+    ) -> None:
+        """Ask for a batch's answers side by side (up to ``max_in_flight`` threads; the run's
+        pool still bounds every call), so that one verifier worker keeps the judge busy rather
+        than waiting on one answer at a time; ``score`` then takes them in order. ``beat()``
+        runs every ``every_s`` seconds meanwhile (the lease's heartbeat). A failure is kept as
+        the sample's first attempt."""
+        self._ready.clear()
+        jobs: dict[str, list[dict[str, str]]] = {}
+        for task, trajectory in samples:
+            try:
+                messages = self.messages(task, trajectory)
+            except ValueError:
+                continue  # the sample's own attempt says why
+            jobs.setdefault(_digest(messages), messages)
+        if len(jobs) < 2:
+            return
+        with ThreadPoolExecutor(max_workers=min(self.cfg.max_in_flight, len(jobs))) as pool:
+            futures = {pool.submit(self._answer, m, d): d for d, m in jobs.items()}
+            pending = set(futures)
+            while pending:
+                _, pending = wait(pending, timeout=every_s)
+                beat()
+        for future, digest in futures.items():
+            error = future.exception()
+            self._ready[digest] = error if error is not None else future.result()
+
+    def _answer(self, messages: list[dict[str, str]], digest: str) -> tuple[JudgeAnswer, int, bool]:
+        """The answer (from the cache, or asked for with retries), the calls it took, and
+        whether it came from the cache."""
+        cached = self._cached(digest)
+        if cached is not None:
+            return cached, 0, True
+        calls = 0
+
+        def attempt() -> JudgeAnswer:
+            nonlocal calls
+            calls += 1
+            self._count("calls", 1)  # before the call: a call cut short counts too
+            return self._ask(messages)
+
+        answer = self.retry.call(attempt, self._give_up)
+        self._store(digest, answer)
+        return answer, calls, False
 
     # ---------------------------------------------------------------- one call
     def _ask(self, messages: list[dict[str, str]]) -> JudgeAnswer:

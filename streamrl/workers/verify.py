@@ -180,10 +180,38 @@ class _VerifyLease:
             )
         return (e, dead_letter(e, "verify", reason, kind), score)
 
+    def _prefetch_judge(self, entries: list[Entry]) -> None:
+        """With a judge, ask for the batch's answers side by side (``Judge.prefetch``) before
+        scoring it in order, heartbeating the batch meanwhile: one worker then keeps up to
+        ``[judge] max_in_flight`` calls out instead of one."""
+        try:
+            rewards = self._reward_functions()
+        except Exception:
+            return  # each sample's own attempt fails with the reason
+        if rewards is None or rewards.judge is None or len(entries) < 2:
+            return
+        samples = []
+        for e in entries:
+            if e.fence > self.config.streams.max_deliveries:
+                continue
+            try:
+                traj = schema.check_version(schema.TRAJECTORY.decode(e.payload))
+            except msgspec.DecodeError:
+                continue
+            if traj.status != "failed":
+                samples.append((traj.task(), traj))
+
+        def beat() -> None:
+            args = heartbeat_args(VERIFY_GROUP, self.consumer, entries)
+            self.scripts.heartbeat(keys=[self.keys.rollouts], args=args)
+
+        rewards.judge.prefetch(samples, beat, self.config.streams.heartbeat_s)
+
     def process(self, entries: list[Entry]) -> None:
         cfg = self.config
         ok: list[tuple[Entry, schema.Trajectory, schema.Score]] = []
         failed: list[tuple] = []
+        self._prefetch_judge(entries)
         last_beat = time.monotonic()
         for i, e in enumerate(entries):
             if time.monotonic() - last_beat > cfg.streams.heartbeat_s:

@@ -10,7 +10,8 @@ digit most of the time and none some of the time: a judge config reads the first
 Knobs, ``POST /admin`` with a JSON object: ``fail_next`` (answer the next N chat requests with
 ``status``, 429 by default), ``hang`` (true: chat requests wait until it is false again or their
 client goes away, as vLLM aborts a request whose client disconnected), ``delay_s`` (each chat
-request waits this long first, keeping requests in flight side by side). ``GET /stats``:
+request waits this long first, keeping requests in flight side by side), ``reset_max`` (start
+counting ``max_in_flight`` again). ``GET /stats``:
 ``calls`` (chat requests received), ``statuses`` (answers by HTTP status), ``in_flight`` and
 ``max_in_flight`` (chat requests being handled at once: now, and the most ever seen).
 
@@ -81,6 +82,8 @@ class JudgeTestServer(OpenAITestServer):
                 self.hang = bool(body["hang"])
             if "delay_s" in body:
                 self.hold_s = float(body["delay_s"])
+            if body.get("reset_max"):
+                self.stats["max_in_flight"] = self.stats["in_flight"]
         return {"ok": True}
 
     def judge_call(self, body: dict[str, Any], conn: socket.socket) -> tuple[int, Any] | None:

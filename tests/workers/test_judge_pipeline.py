@@ -124,8 +124,7 @@ def _config(run: str, url: str, **judge: Any) -> RunConfig:
             max_score=9,
             temperature=1.0,
             max_tokens=4,
-            max_in_flight=LIMIT,
-            **judge,
+            **{"max_in_flight": LIMIT, **judge},
         ),
         verify=VerifyConfig(timeout_s=60, retries=2, batch=4),
         streams=StreamConfig(claim_idle_ms=3000, heartbeat_s=0.5),
@@ -176,6 +175,7 @@ def test_judge_scores_every_sample_within_the_pool_and_pays_once(
     judge, redis_url, subprocess_env, tmp_path
 ):
     prompts = 8
+    judge.admin(reset_max=True)
     before = judge.stats()["calls"]
     cfg = _config("judge-ok", judge.url)
     with LocalPipeline(cfg, url=redis_url, directory=tmp_path, worker_env=subprocess_env) as p:
@@ -212,21 +212,20 @@ def test_judge_scores_every_sample_within_the_pool_and_pays_once(
     )
 
 
+def _sample(i: int) -> tuple[Task, Trajectory]:
+    task = Task(task_id=f"p{i}:0", prompt_id=f"p{i}", k=0, group_size=1, env="chat",
+                input=[Message(role="user", content=f"What is {i} + {i}?")],
+                data={"ground_truth": str(2 * i)})  # fmt: skip
+    traj = Trajectory(task_id=task.task_id, prompt_id=task.prompt_id, k=0, group_size=1,
+                      env="chat", items=[*task.input, Message(role="assistant", content="2")],
+                      n_input=1, turns=[], status="completed", data=task.data)  # fmt: skip
+    return task, traj
+
+
 def test_a_hanging_judge_is_a_failure_and_its_calls_are_given_up(judge, r):
     cfg = _config("judge-hang", judge.url, timeout_s=0.5, retries=1, backoff_s=0.05)
     rewards = RewardFunctions.of_run(cfg, r)
-    task = Task(
-        task_id="p:0",
-        prompt_id="p",
-        k=0,
-        group_size=1,
-        env="chat",
-        input=[Message(role="user", content="What is 1 + 1?")],
-        data={"ground_truth": "2"},
-    )
-    traj = Trajectory(task_id="p:0", prompt_id="p", k=0, group_size=1, env="chat",
-                      items=[*task.input, Message(role="assistant", content="2")], n_input=1,
-                      turns=[], status="completed", data=task.data)  # fmt: skip
+    _, traj = _sample(1)
     judge.admin(hang=True)
     try:
         with pytest.raises(VerifyFailure, match=r"judge timed out .* \(after 2 attempts\)"):
@@ -238,6 +237,25 @@ def test_a_hanging_judge_is_a_failure_and_its_calls_are_given_up(judge, r):
     assert judge_stats(r, cfg.run) == {"calls": 2, "failures": 1}
     assert not r.keys("*judge:cache*")  # nothing to remember
     assert all(not r.zcard(k) for k in r.keys("*judge:pool*busy"))  # no slot left held
+
+
+def test_one_worker_keeps_several_calls_out_and_scores_from_them(judge, r):
+    """``Judge.prefetch`` (what a verifier worker does with each batch): six samples asked for
+    side by side under a pool of 3, then scored in order without another call."""
+    cfg = _config("judge-prefetch", judge.url, max_in_flight=3)
+    rewards = RewardFunctions.of_run(cfg, r)
+    samples = [_sample(i) for i in range(6)]
+    judge.admin(reset_max=True)
+    beats = []
+    rewards.judge.prefetch(samples, lambda: beats.append(1), every_s=0.05)
+    sent = judge_stats(r, cfg.run)["calls"]
+    most = judge.stats()["max_in_flight"]
+    assert 2 <= most <= 3 and beats
+    for task, traj in samples:
+        _, info = rewards.judge.score(task, traj)
+        assert info["score"] == float(re.search(r"\d", info["raw"]).group())
+    assert judge_stats(r, cfg.run) == {"calls": sent, "samples": 6}
+    print(f"\nprefetch: 6 samples, {sent} calls, server max in flight {most} (pool of 3)")
 
 
 def test_the_readme_judge_example(judge, r, redis_url, tmp_path, monkeypatch):
@@ -286,7 +304,8 @@ def test_429_and_a_killed_judge_are_never_a_reward(judge, redis_url, subprocess_
     def served(status: str) -> int:
         return judge.stats()["statuses"].get(status, 0) - base.get(status, 0)
 
-    judge.admin(fail_next=6, status=429)
+    judge.admin(fail_next=6, status=429, reset_max=True)
+    judge.incarnations.clear()
     with LocalPipeline(cfg, url=redis_url, directory=tmp_path, worker_env=subprocess_env) as p:
         _run(p, _rows(tmp_path / "rows.jsonl", prompts), prompts)
         p.start_workers(rollout=1, verify=WORKERS)
@@ -307,8 +326,11 @@ def test_429_and_a_killed_judge_are_never_a_reward(judge, redis_url, subprocess_
     assert all(d.stage == "verify" and "judge" in d.reason for d in dead)
     assert len({s.task_id for s in rewarded}) + len(dead) == 2 * prompts
     assert max(st["max_in_flight"] for st in judge.incarnations) <= LIMIT
+    assert judge.incarnations[-1]["calls"] > 0  # the kill came before the run's end
     print(
         f"\n429s served {seen_429}; scored {len(rewarded)}, dead-lettered {len(dead)}; "
         f"judge figures {judged}; max in flight per server process "
-        f"{[st['max_in_flight'] for st in judge.incarnations]}"
+        f"{[st['max_in_flight'] for st in judge.incarnations]}; in flight at the kill "
+        f"{judge.incarnations[0]['in_flight']}, calls per server process "
+        f"{[st['calls'] for st in judge.incarnations]}"
     )
