@@ -42,12 +42,21 @@ from typing import Any
 import msgspec
 import redis
 
+from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.bus.limiter import CallPool, PoolTimeout
 from streamrl.config import JUDGE, JudgeConfig
 from streamrl.defaults import JUDGE_LEASE_SLACK_S
 from streamrl.http import Retryable, RetryPolicy, httpx_api, server_root
-from streamrl.schema import FunctionCall, FunctionCallOutput, Item, Message, Task, Trajectory
+from streamrl.schema import (
+    FunctionCall,
+    FunctionCallOutput,
+    Item,
+    JudgeAnswer,
+    Message,
+    Task,
+    Trajectory,
+)
 
 _RETRY_STATUS = frozenset({408, 425, 429})
 _SNIPPET = 300
@@ -55,18 +64,6 @@ _SNIPPET = 300
 
 class JudgeUnavailable(Exception):
     """The judge could not give a score (down, timing out, refusing, unreadable): never a 0."""
-
-
-class JudgeAnswer(msgspec.Struct, kw_only=True):
-    """One parsed answer, as the cache keeps it."""
-
-    prompt: str
-    raw: str
-    score: float
-
-
-_ANSWER = msgspec.msgpack.Decoder(JudgeAnswer)
-_encoder = msgspec.msgpack.Encoder()
 
 
 def as_text(items: list[Item]) -> str:
@@ -301,15 +298,15 @@ class Judge:
         if blob is None:
             return None
         try:
-            return _ANSWER.decode(blob)
-        except msgspec.DecodeError:
-            return None  # not ours: ask again, and overwrite it
+            return schema.check_version(schema.JUDGE_ANSWER.decode(blob))
+        except msgspec.DecodeError:  # not ours, or newer than this code: ask again
+            return None
 
     def _store(self, digest: str, answer: JudgeAnswer) -> None:
         if self.r is None or self.keys is None or not self.cfg.cache_ttl_s:
             return
         key = self.keys.judge_cache(self.version, digest)
-        self.r.set(key, _encoder.encode(answer), ex=self.cfg.cache_ttl_s)
+        self.r.set(key, schema.encode(answer), ex=self.cfg.cache_ttl_s)
 
     def _count(self, *pairs: Any) -> None:
         """The run's judge figures (``judge:stats``): samples judged, calls made, cache hits,

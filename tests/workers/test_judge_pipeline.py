@@ -242,7 +242,8 @@ def test_a_hanging_judge_is_a_failure_and_its_calls_are_given_up(judge, r):
 def test_one_worker_keeps_several_calls_out_and_scores_from_them(judge, r):
     """``Judge.prefetch`` (what a verifier worker does with each batch): six samples asked for
     side by side under a pool of 3, then scored in order without another call."""
-    cfg = _config("judge-prefetch", judge.url, max_in_flight=3)
+    # scored here without the worker's retries: room for the tiny model's answers with no digit
+    cfg = _config("judge-prefetch", judge.url, max_in_flight=3, retries=6, max_tokens=8)
     rewards = RewardFunctions.of_run(cfg, r)
     samples = [_sample(i) for i in range(6)]
     judge.admin(reset_max=True)
