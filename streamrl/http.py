@@ -38,7 +38,8 @@ def httpx_api() -> Any:
             return httpx2
         except ImportError:
             raise ImportError(
-                "the openai policy backend needs httpx or httpx2: pip install 'streamrl[openai]'"
+                "streamrl's HTTP clients (the openai backend, nemo-gym, the judge) need httpx or "
+                "httpx2: pip install 'streamrl[openai]' (or [nemo-gym], [judge])"
             ) from None
 
 
