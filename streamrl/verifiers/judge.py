@@ -227,7 +227,11 @@ class Judge:
             self._count("calls", 1)  # before the call: a call cut short counts too
             return self._ask(messages)
 
-        answer = self.retry.call(attempt, self._give_up)
+        try:
+            answer = self.retry.call(attempt, self._give_up)
+        except JudgeUnavailable:
+            self._count("failures", 1)
+            raise
         self._store(digest, answer)
         return answer, calls, False
 
@@ -287,7 +291,6 @@ class Judge:
         return self._client.post(self.root + "/v1/chat/completions", json=body)
 
     def _give_up(self, last: BaseException) -> JudgeUnavailable:
-        self._count("failures", 1)
         return JudgeUnavailable(f"{last} (after {self.retry.tries} attempts)")
 
     # ---------------------------------------------------------------- cache and counts

@@ -7,6 +7,7 @@
 - Three verifier worker processes share one pool of 2: the server never sees more than 2
   calls at once (it counts them itself).
 - Re-verifying the stored trajectories (``streamrl reverify``'s drift report) makes no call.
+- A refusal (404) fails at once; a 503 is retried.
 - A judge that hangs: its calls time out, are given up (the server sees its clients go), and
   the sample is a verifier failure; nothing is cached.
 - The README's judge example, its config as written but for the endpoint.
@@ -40,7 +41,7 @@ from streamrl.ops.drift import drift_report
 from streamrl.producer.datasets import open_rows
 from streamrl.producer.produce import Producer
 from streamrl.schema import Message, Task, Trajectory
-from streamrl.verifiers.judge import judge_stats
+from streamrl.verifiers.judge import JudgeUnavailable, judge_stats
 from streamrl.verifiers.reward_functions import RewardFunctions
 from streamrl.workers.context import read_config
 from streamrl.workers.verify import VerifyFailure, verify_one
@@ -236,6 +237,19 @@ def test_a_hanging_judge_is_a_failure_and_its_calls_are_given_up(judge, r):
     assert judge_stats(r, cfg.run) == {"calls": 2, "failures": 1}
     assert not r.keys("*judge:cache*")  # nothing to remember
     assert all(not r.zcard(k) for k in r.keys("*judge:pool*busy"))  # no slot left held
+
+
+def test_a_refusal_is_a_failure_at_once_and_a_5xx_is_retried(judge, r):
+    cfg = _config("judge-refused", judge.url, retries=3, backoff_s=0.01)
+    rewards = RewardFunctions.of_run(cfg, r)
+    task, traj = _sample(2)
+    judge.admin(fail_next=1, status=404)  # a wrong model name, say: asking again cannot help
+    with pytest.raises(JudgeUnavailable, match="HTTP 404 \\(not retried\\)"):
+        rewards.judge.score(task, traj)
+    assert judge_stats(r, cfg.run) == {"calls": 1, "failures": 1}
+    judge.admin(fail_next=2, status=503)
+    _, info = rewards.judge.score(task, traj)
+    assert info["calls"] >= 3 and not info["cached"]
 
 
 def test_one_worker_keeps_several_calls_out_and_scores_from_them(judge, r):
