@@ -240,7 +240,7 @@ def test_a_hanging_judge_is_a_failure_and_its_calls_are_given_up(judge, r):
 
 
 def test_a_refusal_is_a_failure_at_once_and_a_5xx_is_retried(judge, r):
-    cfg = _config("judge-refused", judge.url, retries=3, backoff_s=0.01)
+    cfg = _config("judge-refused", judge.url, retries=8, backoff_s=0.01, max_tokens=8)
     rewards = RewardFunctions.of_run(cfg, r)
     task, traj = _sample(2)
     judge.admin(fail_next=1, status=404)  # a wrong model name, say: asking again cannot help
