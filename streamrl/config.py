@@ -77,7 +77,7 @@ class JudgeConfig(_Cfg, kw_only=True):
     # str.format fields: {prompt}, {response} and each of the task's data columns
     prompt: Annotated[str, msgspec.Meta(min_length=1)]
     system: str = ""
-    # the first group of the first match is the score N; the reward is N / max_score
+    # the first group of the first match is the grade N; reward = (N - min) / (max - min)
     score_pattern: str = r"(?i)score\s*[:=]?\s*(-?\d+(?:\.\d+)?)"
     min_score: float = 0.0
     max_score: Positive = 10.0
