@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+import string
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -11,6 +12,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from streamrl import defaults as d
+
+JUDGE = "judge"  # the verifier name of the [judge] table
 
 
 class _Cfg(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -63,6 +66,51 @@ class VerifyConfig(_Cfg, kw_only=True):
     retries: Annotated[int, msgspec.Meta(ge=0)] = d.VERIFY_RETRIES
     batch: AtLeastOne = d.VERIFY_BATCH
     lease_seconds: Positive = d.LEASE_SECONDS
+
+
+class JudgeConfig(_Cfg, kw_only=True):
+    """An LLM judge (``verifier = "judge"``; see ``streamrl.verifiers.judge``): where it is,
+    what it is asked, how its answer becomes a reward, and how hard the run may call it."""
+
+    base_url: Annotated[str, msgspec.Meta(min_length=1)]  # OpenAI-compatible; /v1 optional
+    model: Annotated[str, msgspec.Meta(min_length=1)]
+    # str.format fields: {prompt}, {response} and each of the task's data columns
+    prompt: Annotated[str, msgspec.Meta(min_length=1)]
+    system: str = ""
+    # the first group of the first match is the grade N; reward = (N - min) / (max - min)
+    score_pattern: str = r"(?i)score\s*[:=]?\s*(-?\d+(?:\.\d+)?)"
+    min_score: float = 0.0
+    max_score: Positive = 10.0
+    version: str = "1"  # bump it when the judge's model or scale changes behind the same config
+    max_tokens: AtLeastOne = d.JUDGE_MAX_TOKENS
+    temperature: NonNegative = 0.0
+    # one pool per endpoint across every verifier worker of the run
+    max_in_flight: AtLeastOne = d.JUDGE_MAX_IN_FLIGHT
+    max_per_second: NonNegative = d.JUDGE_MAX_PER_SECOND  # 0: unlimited
+    timeout_s: Positive = d.JUDGE_TIMEOUT_S
+    retries: Annotated[int, msgspec.Meta(ge=0)] = d.JUDGE_RETRIES
+    backoff_s: NonNegative = d.JUDGE_BACKOFF_S
+    backoff_max_s: NonNegative = d.JUDGE_BACKOFF_MAX_S
+    cache_ttl_s: Annotated[int, msgspec.Meta(ge=0)] = d.JUDGE_CACHE_TTL_S  # 0: no cache
+    api_key_env: str = "OPENAI_API_KEY"  # the variable holding the key, never the key
+
+    def __post_init__(self) -> None:
+        if self.min_score >= self.max_score:
+            raise ValueError(
+                f"judge.min_score ({self.min_score}) must be below max_score ({self.max_score})"
+            )
+        try:  # both are read on every call: a mistake in them is one message here, not N failures
+            groups = re.compile(self.score_pattern).groups
+            fields = [f for _, f, _, _ in string.Formatter().parse(self.prompt) if f is not None]
+        except (re.error, ValueError) as e:
+            raise ValueError(f"judge: bad score_pattern or prompt template: {e}") from None
+        if groups < 1:
+            raise ValueError("judge.score_pattern needs a group, (...), around the score")
+        if any(not f.isidentifier() for f in fields):
+            raise ValueError(
+                f"judge.prompt: fields are plain names ({{prompt}}, {{response}}, a data column); "
+                f"got {[f for f in fields if not f.isidentifier()]} (write a literal brace twice)"
+            )
 
 
 class StreamConfig(_Cfg, kw_only=True):
@@ -199,6 +247,8 @@ class RunConfig(_Cfg, kw_only=True):
     # A weighted mixture ([[envs]] tables), instead of `env`: each prompt's environment is
     # drawn by weight (streamrl.producer.mixture); empty: every prompt is `env`'s.
     envs: list[EnvEntry] = msgspec.field(default_factory=list)
+    # The LLM judge that the name "judge" in verifier stands for
+    judge: JudgeConfig | None = None
     # The [learner] table, validated by the learner itself (streamrl.learner.config.
     # LearnerConfig): importing it here would pull torch into every worker.
     learner: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -223,6 +273,12 @@ class RunConfig(_Cfg, kw_only=True):
         if self.envs:
             return Mixture(envs=list(self.envs))
         return Mixture(envs=[EnvEntry(env=self.env, env_options=self.env_options)])
+        if (JUDGE in self.verifier) != (self.judge is not None):
+            raise ValueError(
+                'verifier "judge" needs a [judge] table (base_url, model, prompt)'
+                if self.judge is None
+                else 'a [judge] table is used only with verifier = "judge" (or a list holding it)'
+            )
 
     @property
     def reward_functions(self) -> list[str]:

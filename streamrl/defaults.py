@@ -67,6 +67,21 @@ VERIFY_TIMEOUT_S = 10.0
 VERIFY_RETRIES = 2
 VERIFY_BATCH = 256
 
+# The judge verifier ([judge]; streamrl.verifiers.judge): calls to one endpoint in flight and
+# started per second across every verifier worker of a run, and how a call is retried.
+JUDGE_MAX_IN_FLIGHT = 8
+JUDGE_MAX_PER_SECOND = 0.0  # 0: no rate limit, only the in-flight one
+JUDGE_TIMEOUT_S = 30.0
+JUDGE_RETRIES = 3
+JUDGE_BACKOFF_S = 0.5
+JUDGE_BACKOFF_MAX_S = 8.0
+JUDGE_MAX_TOKENS = 16
+JUDGE_CACHE_TTL_S = 7 * 24 * 3600
+# a pool slot is a lease: held past the call's timeout by this much, it frees itself (a worker
+# killed mid-call); a slot that is not free is asked for again this often
+JUDGE_LEASE_SLACK_S = 5.0
+JUDGE_POLL_S = 0.02
+
 # Retention: entries younger than this are never trimmed even when every group has read them.
 RETENTION_MS = 15 * 60 * 1000
 # A consumer that holds nothing and has not read for this long is deleted from its group.

@@ -38,8 +38,16 @@ def httpx_api() -> Any:
             return httpx2
         except ImportError:
             raise ImportError(
-                "the openai policy backend needs httpx or httpx2: pip install 'streamrl[openai]'"
+                "streamrl's HTTP clients (the openai backend, nemo-gym, the judge) need httpx or "
+                "httpx2: pip install 'streamrl[openai]' (or [nemo-gym], [judge])"
             ) from None
+
+
+def server_root(base_url: str) -> str:
+    """``http://host:8000/v1/`` and ``http://host:8000`` both name an OpenAI-compatible
+    server's root."""
+    root = base_url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
 class Retryable(Exception):

@@ -266,6 +266,16 @@ class DeadLetter(_Base, kw_only=True):
     kind: str = ""
 
 
+class JudgeAnswer(_Base, kw_only=True):
+    """An LLM judge's parsed answer, as its cache keeps it (``judge:cache:<version>:<digest>``):
+    what it was asked, what it said, the grade read from that."""
+
+    v: int = SCHEMA_VERSION
+    prompt: str
+    raw: str
+    score: float
+
+
 # ---------------------------------------------------------------- codecs, built once per type
 
 _encoder = msgspec.msgpack.Encoder()
@@ -277,6 +287,7 @@ GROUP = msgspec.msgpack.Decoder(Group)
 POLICY_VERSION = msgspec.msgpack.Decoder(PolicyVersion)
 DEAD_LETTER = msgspec.msgpack.Decoder(DeadLetter)
 WORKER_POLICY = msgspec.msgpack.Decoder(WorkerPolicy)
+JUDGE_ANSWER = msgspec.msgpack.Decoder(JudgeAnswer)
 
 
 def encode(obj: msgspec.Struct) -> bytes:

@@ -129,17 +129,17 @@ def _modules_named(name: str) -> tuple[str, ...]:
 @cache
 def _config_tables() -> dict[str, frozenset[str]]:
     """The run config's TOML tables and their keys (`[learner]` is checked by the learner)."""
-    import msgspec
+    import msgspec.inspect as mi
 
     from streamrl.config import RunConfig
     from streamrl.learner.config import LearnerConfig
 
-    run = RunConfig()
-    tables = {
-        name: frozenset(type(value).__struct_fields__)
-        for name in RunConfig.__struct_fields__
-        if isinstance(value := getattr(run, name), msgspec.Struct)
-    }
+    tables = {}
+    for field in mi.type_info(RunConfig).fields:  # a table may be optional: `X | None`
+        kinds = field.type.types if isinstance(field.type, mi.UnionType) else (field.type,)
+        for kind in kinds:
+            if isinstance(kind, mi.StructType):
+                tables[field.name] = frozenset(kind.cls.__struct_fields__)
     tables["learner"] = frozenset(LearnerConfig.__struct_fields__)
     return tables
 

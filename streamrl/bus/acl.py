@@ -21,11 +21,12 @@ from streamrl.defaults import KEY_PREFIX, RUNS_KEY
 ROLES = ("producer", "rollout", "verify", "learner", "observer")
 
 # Data commands, scripts and connection handling; nothing of @admin or @dangerous (CONFIG,
-# FLUSHALL, KEYS, DEBUG, CLIENT KILL, ...) except INFO, which the maxmemory-policy check reads.
+# FLUSHALL, KEYS, DEBUG, CLIENT KILL, ...) except INFO, which the maxmemory-policy check reads,
+# and TIME (only @fast), the clock the judge's call pool keeps in Redis (bus/limiter.py).
 _SCRIPTS = "+eval +evalsha +script|load +script|exists"
 _WORKER_COMMANDS = (
     "-@all +@read +@write +@stream +@hash +@string +@set +@list +@sortedset +@keyspace "
-    f"+@transaction +@pubsub +@blocking +@connection {_SCRIPTS} -@admin -@dangerous +info"
+    f"+@transaction +@pubsub +@blocking +@connection {_SCRIPTS} -@admin -@dangerous +info +time"
 )
 _OBSERVER_COMMANDS = "-@all +@read +@connection -@admin -@dangerous -@write +info"
 
@@ -71,6 +72,7 @@ _WRITES = {
         "stats",
         "dead",
         "topup:*",
+        "judge:*",  # the judge's call pool and answer cache (verifiers/judge.py)
     ),
     "learner": ("*",),
     "observer": (),

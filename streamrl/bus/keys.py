@@ -138,6 +138,23 @@ class Keys:
         """Hash with the producer's gate: running or waiting, why, since when, its figures."""
         return self.run_key("producer_state")
 
+    def judge_pool(self, endpoint: str) -> tuple[str, str]:
+        """The call pool of one judge endpoint (a digest of its URL), shared by every verifier
+        worker of the run: a sorted set of calls in flight (member: call id, score: when its
+        lease ends) and one of recent call starts (score: when), both under the run's tag."""
+        return self.run_key("judge", "pool", endpoint, "busy"), self.run_key(
+            "judge", "pool", endpoint, "starts"
+        )
+
+    def judge_cache(self, version: str, digest: str) -> str:
+        """A judge's answer to one trajectory, kept so that it is paid for once."""
+        return self.run_key("judge", "cache", version, digest)
+
+    @property
+    def judge_stats(self) -> str:
+        """Hash: the run's judge figures (samples judged, calls made, cache hits, failures)."""
+        return self.run_key("judge", "stats")
+
     @property
     def mix(self) -> str:
         """The run's weighted mixture of environments (``config.Mixture``, msgpack)."""

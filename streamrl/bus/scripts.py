@@ -278,3 +278,36 @@ for _, g in ipairs(groups) do
 end
 return redis.call('XTRIM', stream, 'MINID', floor)
 """
+
+# The call pool of an outside service (a judge endpoint) shared by every process of a run.
+# Invariant: at most ARGV[3] calls hold a lease in KEYS[1] at once, and at most ceil(rate)
+# calls started in any window of ceil(rate) / rate seconds (rate = ARGV[4]; 0: no rate limit).
+# A lease ends by itself ARGV[2] ms after it was taken, so a killed holder's slot frees itself.
+# Redis's clock, not the callers': every process reads the same one.
+# KEYS[1]=busy zset (member: call id, score: lease end, ms), KEYS[2]=starts zset (score: start
+# ms). ARGV: call id, lease_ms, max_in_flight, max_per_second. Returns 0 when the call may
+# start (its lease taken), else about how many ms until it may ask again.
+POOL_ACQUIRE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local lease, limit, rate = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= limit then
+  local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  return math.max(1, tonumber(first[2]) - now)
+end
+if rate > 0 then
+  local n = math.ceil(rate)
+  local window = math.floor(1000 * n / rate)
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - window)
+  if redis.call('ZCARD', KEYS[2]) >= n then
+    local oldest = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+    return math.max(1, tonumber(oldest[2]) + window - now + 1)
+  end
+  redis.call('ZADD', KEYS[2], now, ARGV[1])
+  redis.call('PEXPIRE', KEYS[2], window + 1000)
+end
+redis.call('ZADD', KEYS[1], now + lease, ARGV[1])
+redis.call('PEXPIRE', KEYS[1], lease + 1000)
+return 0
+"""

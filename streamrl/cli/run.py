@@ -238,7 +238,7 @@ def _runnable_env(cfg: RunConfig, skip_policy_check: bool) -> Any:
             raise click.ClickException(str(e)) from None
     if cfg.verifier:
         try:
-            RewardFunctions(cfg.reward_functions, cfg.reward_weights)
+            RewardFunctions.of_run(cfg)
         except RewardFunctionError as e:
             raise click.ClickException(str(e)) from None
     elif cfg.env == "chat":

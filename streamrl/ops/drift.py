@@ -48,7 +48,7 @@ def drift_report(
     envs: dict[str, Environment] = {}
     cfg = read_config(r.get(Keys(run).config))
     # a mixture's names stand for its entries' environments and reward functions
-    table = EnvTable(cfg) if cfg is not None else None
+    table = EnvTable(cfg, r=r) if cfg is not None else None  # r: a judge answers from its cache
     if table is not None:
         table.learn(r.get(Keys(run).mix))
 

@@ -78,7 +78,7 @@ from streamrl.bus.keys import Keys
 from streamrl.config import PolicyConfig
 from streamrl.defaults import DEFAULT_RUN, RELOAD_ERROR_LOG_EVERY_S
 from streamrl.envs.base import Environment
-from streamrl.http import Retryable, RetryPolicy, httpx_api
+from streamrl.http import Retryable, RetryPolicy, httpx_api, server_root
 from streamrl.log import Repeats
 from streamrl.policy._openai_wire import ChatWire
 from streamrl.policy._versions import latest_version
@@ -102,12 +102,6 @@ class _HTTPStatusPolicyError(PolicyError):
         self.status = status
 
 
-def _server_root(base_url: str) -> str:
-    """``http://host:8000/v1/`` and ``http://host:8000`` both name the server root."""
-    root = base_url.rstrip("/")
-    return root[: -len("/v1")] if root.endswith("/v1") else root
-
-
 class OpenAIPolicy(Policy):
     name = "openai"
 
@@ -124,7 +118,7 @@ class OpenAIPolicy(Policy):
         opts = config.options
         self.config = config
         self.env = env
-        self.root = _server_root(config.base_url)
+        self.root = server_root(config.base_url)
         self.sync = str(opts.get("sync", "none"))
         if self.sync not in _SYNC_MODES:
             raise ValueError(f"policy.options.sync must be one of {_SYNC_MODES}, not {self.sync!r}")

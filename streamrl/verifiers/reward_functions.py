@@ -39,7 +39,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
+
+from streamrl.config import JUDGE, RunConfig
 from streamrl.schema import FunctionCall, FunctionCallOutput, Message, Task, Trajectory
+from streamrl.verifiers.judge import Judge
 from streamrl.verifiers.verdict import Verdict
 
 # Task.data marks a row whose prompt was a plain string: TRL's standard form. Never passed to
@@ -93,10 +97,11 @@ def _name(func: Callable[..., Any], spec: str) -> str:
     return getattr(func, "__name__", None) or spec
 
 
-def _source_digest(funcs: list[Callable[..., Any]], weights: list[float]) -> str:
-    """The verifier's version: a digest of the functions' source and the weights, so that a
-    changed function re-verifies stored trajectories into a drift report."""
-    h = hashlib.sha256(repr(weights).encode())
+def _source_digest(funcs: list[Callable[..., Any]], weights: list[float], extra: str = "") -> str:
+    """The verifier's version: a digest of the functions' source and the weights (and the
+    judge's version), so that a changed function re-verifies stored trajectories into a drift
+    report."""
+    h = hashlib.sha256(repr(weights).encode() + extra.encode())
     for f in funcs:
         try:
             h.update(inspect.getsource(f).encode())
@@ -106,9 +111,13 @@ def _source_digest(funcs: list[Callable[..., Any]], weights: list[float]) -> str
 
 
 class RewardFunctions:
-    """The run's reward functions, loaded once per verifier worker."""
+    """The run's reward functions, loaded once per verifier worker. The name ``judge`` among
+    them is the run's LLM judge (``streamrl.verifiers.judge``), weighted like the others: a
+    judge and a programmatic check combine as TRL's ``reward_weights`` combine functions."""
 
-    def __init__(self, specs: list[str], weights: list[float] | None = None):
+    def __init__(
+        self, specs: list[str], weights: list[float] | None = None, judge: Judge | None = None
+    ):
         if not specs:
             raise RewardFunctionError("verifier: give at least one module:function")
         weights = list(weights) if weights else [1.0] * len(specs)
@@ -116,13 +125,26 @@ class RewardFunctions:
             raise RewardFunctionError(
                 f"reward_weights has {len(weights)} values for {len(specs)} reward functions"
             )
+        if JUDGE in specs and judge is None:
+            raise RewardFunctionError('verifier "judge" needs the run\'s [judge] table')
         self.specs = list(specs)
-        self.funcs = [load_function(s) for s in specs]
+        self.judge = judge
+        self.funcs = [_judged if s == JUDGE else load_function(s) for s in specs]
         self.weights = [float(w) for w in weights]
         names = [_name(f, s) for f, s in zip(self.funcs, specs, strict=True)]
         # two functions of the same name (from different modules) keep their specs apart
         self.names = [s if names.count(n) > 1 else n for n, s in zip(names, specs, strict=True)]
-        self.verifier_id = ("reward-functions", _source_digest(self.funcs, self.weights))
+        if self.specs == [JUDGE] and judge is not None:
+            self.verifier_id = judge.verifier_id
+        else:
+            extra = judge.version if judge is not None else ""
+            self.verifier_id = ("reward-functions", _source_digest(self.funcs, self.weights, extra))
+
+    @classmethod
+    def of_run(cls, cfg: RunConfig, r: redis.Redis | None = None) -> RewardFunctions:
+        """The run's ``verifier`` list, its judge sharing pool and cache through ``r``."""
+        judge = Judge(cfg.judge, r, cfg.run) if cfg.judge is not None else None
+        return cls(cfg.reward_functions, cfg.reward_weights, judge)
 
     def score(self, task: Task, trajectory: Trajectory) -> Verdict:
         kwargs = trl_arguments(task, trajectory)
@@ -131,12 +153,15 @@ class RewardFunctions:
         kwargs["log_extra"] = lambda column, values: extra.__setitem__(column, values)
         kwargs["log_metric"] = lambda name, value: metrics.__setitem__(name, value)
         values: dict[str, float | None] = {}
+        info: dict[str, Any] = {"reward_functions": values}
         for func, name in zip(self.funcs, self.names, strict=True):
-            values[name] = _one_reward(func, name, kwargs)
+            if func is _judged and self.judge is not None:
+                values[name], info["judge"] = self.judge.score(task, trajectory)
+            else:
+                values[name] = _one_reward(func, name, kwargs)
         used = [(w, v) for w, v in zip(self.weights, values.values(), strict=True) if v is not None]
         if not used:
             raise Unscorable(f"every reward function returned None ({', '.join(self.names)})")
-        info: dict[str, Any] = {"reward_functions": values}
         if extra:
             info["log_extra"] = extra
         if metrics:
@@ -146,6 +171,15 @@ class RewardFunctions:
             components={n: v for n, v in values.items() if v is not None},
             info=info,
         )
+
+
+def _judged(**kwargs: Any) -> list[float | None]:
+    """Where the judge sits in the list of functions (``RewardFunctions.score`` asks the
+    judge itself, with the task and the trajectory)."""
+    raise AssertionError("the judge is called by RewardFunctions.score")
+
+
+_judged.__name__ = JUDGE
 
 
 def _one_reward(func: Callable[..., Any], name: str, kwargs: dict[str, Any]) -> float | None:

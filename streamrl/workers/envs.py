@@ -14,15 +14,18 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from streamrl.config import MIXTURE, EnvEntry, Mixture, RunConfig
+from streamrl.config import JUDGE, MIXTURE, EnvEntry, Mixture, RunConfig
 from streamrl.envs import Environment, make_env
+from streamrl.verifiers.judge import Judge
 from streamrl.verifiers.reward_functions import RewardFunctions
 
 
 @dataclass
 class EnvTable:
     config: RunConfig
+    r: Any = None  # a sync Redis client: a judge's shared call pool and cache (verify side)
     entries: dict[str, EnvEntry] = field(default_factory=dict)
     envs: dict[str, Environment] = field(default_factory=dict)
     rewards: dict[str, RewardFunctions | None] = field(default_factory=dict)
@@ -73,5 +76,8 @@ class EnvTable:
             names, weights = self.config.reward_functions, self.config.reward_weights
             if entry is not None and entry.verifier:
                 names, weights = list(entry.verifier), entry.reward_weights
-            self.rewards[name] = RewardFunctions(names, weights) if names else None
+            judge = None
+            if JUDGE in names and self.config.judge is not None:
+                judge = Judge(self.config.judge, self.r, self.config.run)
+            self.rewards[name] = RewardFunctions(names, weights, judge) if names else None
         return self.rewards[name]

@@ -135,7 +135,7 @@ class _VerifyLease:
         the environment's own verifier); a name not met yet is looked up in the stored
         mixture first (``workers.envs``)."""
         if self.table is None:
-            self.table = EnvTable(self.config)
+            self.table = EnvTable(self.config, r=self.r)  # r: a judge's pool and cache
         if not self.table.knows(name):
             self.table.learn(self.r.get(self.keys.mix))
         return self.table.env(name), self.table.reward_functions(name)
@@ -176,10 +176,39 @@ class _VerifyLease:
             )
         return (e, dead_letter(e, "verify", reason, kind), score)
 
+    def _prefetch_judge(self, entries: list[Entry]) -> None:
+        """With a judge, ask for the batch's answers side by side (``Judge.prefetch``) before
+        scoring it in order, heartbeating the batch meanwhile: one worker then keeps up to
+        ``[judge] max_in_flight`` calls out instead of one. In a mixture each environment's
+        reward functions hold their own judge (one pool: the run's and endpoint's)."""
+        by_judge: dict[int, tuple[Any, list[tuple[schema.Task, schema.Trajectory]]]] = {}
+        for e in entries:
+            if e.fence > self.config.streams.max_deliveries:
+                continue
+            try:
+                traj = schema.check_version(schema.TRAJECTORY.decode(e.payload))
+                rewards = self._env(traj.env)[1]
+            except Exception:
+                continue  # each sample's own attempt fails with the reason
+            if traj.status == "failed" or rewards is None or rewards.judge is None:
+                continue
+            by_judge.setdefault(id(rewards.judge), (rewards.judge, []))[1].append(
+                (traj.task(), traj)
+            )
+
+        def beat() -> None:
+            args = heartbeat_args(VERIFY_GROUP, self.consumer, entries)
+            self.scripts.heartbeat(keys=[self.keys.rollouts], args=args)
+
+        for judge, samples in by_judge.values():
+            if len(samples) >= 2:
+                judge.prefetch(samples, beat, self.config.streams.heartbeat_s)
+
     def process(self, entries: list[Entry]) -> None:
         cfg = self.config
         ok: list[tuple[Entry, schema.Trajectory, schema.Score]] = []
         failed: list[tuple] = []
+        self._prefetch_judge(entries)
         last_beat = time.monotonic()
         for i, e in enumerate(entries):
             if time.monotonic() - last_beat > cfg.streams.heartbeat_s:

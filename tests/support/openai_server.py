@@ -47,6 +47,7 @@ class OpenAITestServer:
         version_header: bool = False,
         script: Callable[[dict[str, Any]], str] | None = None,
         delay_s: float = 0.0,
+        port: int = 0,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -63,7 +64,7 @@ class OpenAITestServer:
         self.delay_s = delay_s  # per chat request: keeps requests in flight for ordering tests
         self._failures: list[int] = []
         self._lock = threading.Lock()  # one generation at a time (global torch RNG)
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", port), self.handler_class())
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
 
@@ -79,6 +80,10 @@ class OpenAITestServer:
     def __exit__(self, *exc: object) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
+
+    def handler_class(self) -> type[BaseHTTPRequestHandler]:
+        """The request handler (a subclass adds its own endpoints by extending it)."""
+        return _handler(self)
 
     def fail_next(self, n: int, status: int = 503) -> None:
         """The next ``n`` chat requests get ``status`` (a transient error unless 4xx)."""

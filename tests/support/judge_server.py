@@ -1,0 +1,162 @@
+"""A judge endpoint for tests: a real process serving ``POST /v1/chat/completions`` with a real
+(tiny, randomly initialised) transformers model that samples its answer, so that tests can
+SIGKILL it and start it again on the same port.
+
+The model's vocabulary holds the digits, ``Score:`` and the tokenizer's specials; every other
+word of a rubric reads as ``<unk>``. Sampling at temperature 1, its first few tokens hold a
+digit most of the time and none some of the time: a judge config reads the first digit
+(``score_pattern = "(\\d)"``) and meets real unparseable answers now and then.
+
+Knobs, ``POST /admin`` with a JSON object: ``fail_next`` (answer the next N chat requests with
+``status``, 429 by default), ``hang`` (true: chat requests wait until it is false again or their
+client goes away, as vLLM aborts a request whose client disconnected), ``delay_s`` (each chat
+request waits this long first, keeping requests in flight side by side), ``reset_max`` (start
+counting ``max_in_flight`` again). ``GET /stats``:
+``calls`` (chat requests received), ``statuses`` (answers by HTTP status), ``in_flight`` and
+``max_in_flight`` (chat requests being handled at once: now, and the most ever seen).
+
+    python -m tests.support.judge_server MODEL_DIR PORT [DELAY_S]
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.support.openai_server import OpenAITestServer, _error
+
+WORDS = ["<pad>", "<bos>", "<eos>", "<unk>", "<user>", "<assistant>", "Score:",
+         *[str(i) for i in range(10)]]  # fmt: skip
+SERVED = "judge-tiny"
+
+
+def save_judge_model(directory: str | Path, seed: int = 0) -> Path:
+    """A judge-sized tiny Llama and its word-level tokenizer (the digits in its vocabulary,
+    512 positions for a rubric), written as a normal HF directory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from streamrl.models.tiny import build_tokenizer
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(
+        vocab_size=len(WORDS),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=WORDS.index("<bos>"),
+        eos_token_id=WORDS.index("<eos>"),
+        pad_token_id=WORDS.index("<pad>"),
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    build_tokenizer(WORDS).save_pretrained(directory)
+    return directory
+
+
+class JudgeTestServer(OpenAITestServer):
+    def __init__(self, model_dir: str | Path, port: int, delay_s: float = 0.0) -> None:
+        super().__init__(model_dir, served_model_name=SERVED, port=port)
+        self.hold_s = delay_s
+        self.hang = False
+        self.fail: list[int] = []
+        self.stats: dict[str, Any] = {"calls": 0, "statuses": {}, "in_flight": 0}
+        self.stats["max_in_flight"] = 0
+        self._count = threading.Lock()
+
+    def admin(self, body: dict[str, Any]) -> dict[str, Any]:
+        with self._count:
+            if "fail_next" in body:
+                self.fail += [int(body.get("status", 429))] * int(body["fail_next"])
+            if "hang" in body:
+                self.hang = bool(body["hang"])
+            if "delay_s" in body:
+                self.hold_s = float(body["delay_s"])
+            if body.get("reset_max"):
+                self.stats["max_in_flight"] = self.stats["in_flight"]
+        return {"ok": True}
+
+    def judge_call(self, body: dict[str, Any], conn: socket.socket) -> tuple[int, Any] | None:
+        """A chat request, counted in flight from arrival to answer; None: its client left."""
+        with self._count:
+            self.stats["calls"] += 1
+            self.stats["in_flight"] += 1
+            self.stats["max_in_flight"] = max(self.stats["max_in_flight"], self.stats["in_flight"])
+            status = self.fail.pop(0) if self.fail else 0
+        try:
+            if status:
+                return status, _error(status, "injected failure")
+            until = time.monotonic() + self.hold_s
+            while self.hang or time.monotonic() < until:
+                if _client_gone(conn):
+                    return None
+            return self.chat(body)
+        finally:
+            with self._count:
+                self.stats["in_flight"] -= 1
+
+    def handler_class(self) -> type:
+        server = self
+        base = super().handler_class()
+
+        class Handler(base):  # type: ignore[misc, valid-type]
+            def do_GET(self) -> None:
+                if self.path == "/stats":
+                    with server._count:
+                        self._send(200, json.loads(json.dumps(server.stats)))
+                else:
+                    super().do_GET()
+
+            def do_POST(self) -> None:
+                if self.path not in ("/admin", "/v1/chat/completions"):
+                    super().do_POST()
+                    return
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+                if self.path == "/admin":
+                    self._send(200, server.admin(body))
+                    return
+                answer = server.judge_call(body, self.connection)
+                if answer is None:
+                    self.close_connection = True
+                    return
+                status, payload = answer
+                with server._count:
+                    codes = server.stats["statuses"]
+                    codes[str(status)] = codes.get(str(status), 0) + 1
+                self._send(status, payload)
+
+        return Handler
+
+
+def _client_gone(conn: socket.socket, wait_s: float = 0.02) -> bool:
+    """Whether the client closed its end (a readable socket with nothing to read)."""
+    readable, _, _ = select.select([conn], [], [], wait_s)
+    if not readable:
+        return False
+    try:
+        return conn.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+def main(argv: list[str]) -> None:
+    model_dir, port = argv[0], int(argv[1])
+    delay = float(argv[2]) if len(argv) > 2 else 0.0
+    server = JudgeTestServer(model_dir, port, delay)
+    print(f"judge server on {server.url}", flush=True)
+    server._httpd.serve_forever()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,350 @@
+"""The judge verifier through real rq verifier workers, against a real judge process
+(``tests/support/judge_server.py``: a tiny transformers model sampling its answers behind
+``POST /v1/chat/completions``), combined by weight with a TRL-style exact-answer check.
+
+- Every sample is scored, its Score holding the judge's prompt, raw answer and parsed score,
+  and the reward is the weighted sum of what the judge's own answer says and the check.
+- Three verifier worker processes share one pool of 2: the server never sees more than 2
+  calls at once (it counts them itself).
+- Re-verifying the stored trajectories (``streamrl reverify``'s drift report) makes no call.
+- A refusal (404) fails at once; a 503 is retried.
+- A judge that hangs: its calls time out, are given up (the server sees its clients go), and
+  the sample is a verifier failure; nothing is cached.
+- The README's judge example, its config as written but for the endpoint.
+- 429 answers and the server SIGKILLed mid-run and started again: every sample is scored from
+  a judge answer or dead-lettered with the judge's failure; none is a 0 made of a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from streamrl import schema
+from streamrl.bus.keys import Keys
+from streamrl.cli import main
+from streamrl.config import JudgeConfig, PolicyConfig, RunConfig, StreamConfig, VerifyConfig
+from streamrl.envs import make_env
+from streamrl.local.pipeline import LocalPipeline, xrange_all
+from streamrl.ops.drift import drift_report
+from streamrl.producer.datasets import open_rows
+from streamrl.producer.produce import Producer
+from streamrl.schema import Message, Task, Trajectory
+from streamrl.verifiers.judge import JudgeUnavailable, judge_stats
+from streamrl.verifiers.reward_functions import RewardFunctions
+from streamrl.workers.context import read_config
+from streamrl.workers.verify import VerifyFailure, verify_one
+from tests.support.judge_server import SERVED, save_judge_model
+from tests.support.waiting import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+LIMIT = 2
+WORKERS = 3
+CHECK = "examples.trl_rewards:exact_answer"
+RUBRIC = "Question: {prompt} Expected: {ground_truth} Answer: {response} Score:"
+
+
+class JudgeProcess:
+    """The judge server as a process this test owns: started, SIGKILLed, started again on
+    the same port (the run's config names it)."""
+
+    def __init__(self, model_dir: Path, log: Path) -> None:
+        self.model_dir, self.log = model_dir, log
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.incarnations: list[dict[str, Any]] = []  # the last stats of each killed process
+
+    def start(self, delay_s: float = 0.0) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.judge_server", str(self.model_dir),
+             str(self.port), str(delay_s)],
+            cwd=ROOT, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
+        )  # fmt: skip
+        wait_for(lambda: self.stats() is not None, "the judge server to listen", 60, every=0.1)
+
+    def stats(self) -> dict[str, Any] | None:
+        try:
+            with urllib.request.urlopen(self.url + "/stats", timeout=5) as resp:
+                return json.loads(resp.read())
+        except OSError:
+            return None
+
+    def admin(self, **knobs: Any) -> None:
+        req = urllib.request.Request(self.url + "/admin", data=json.dumps(knobs).encode())
+        urllib.request.urlopen(req, timeout=5).close()
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.incarnations.append(self.stats() or {})
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def judge(tmp_path_factory):
+    d = tmp_path_factory.mktemp("judge")
+    server = JudgeProcess(save_judge_model(d / "model"), d / "server.log")
+    server.start(delay_s=0.15)  # each call stays in flight a while: the pool has to hold
+    yield server
+    server.stop()
+
+
+def _config(run: str, url: str, **judge: Any) -> RunConfig:
+    return RunConfig(
+        run=run,
+        env="chat",
+        env_options={"reference": "{ground_truth}"},
+        group_size=2,
+        policy=PolicyConfig(wrong_rate=0.25),
+        verifier=["judge", CHECK],
+        reward_weights=[0.5, 0.5],
+        judge=JudgeConfig(
+            base_url=url + "/v1",
+            model=SERVED,
+            prompt=RUBRIC,
+            score_pattern=r"(\d)",
+            max_score=9,
+            temperature=1.0,
+            **{"max_tokens": 4, "max_in_flight": LIMIT, **judge},
+        ),
+        verify=VerifyConfig(timeout_s=60, retries=2, batch=4),
+        streams=StreamConfig(claim_idle_ms=3000, heartbeat_s=0.5),
+    )
+
+
+def _rows(path: Path, n: int) -> Path:
+    rows = [{"prompt": f"What is {i} + {i}?", "ground_truth": str(2 * i)} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _run(p: LocalPipeline, rows: Path, prompts: int) -> None:
+    res = Producer(p.r, p.config.run).from_rows(open_rows(rows), "chat", 2, standard_prompts=True)
+    assert res.prompts == prompts and not res.rejected
+
+
+def _scores(p: LocalPipeline) -> list[schema.Score]:
+    return [schema.SCORE.decode(f[b"p"]) for _, f in xrange_all(p.r, p.keys.scored)]
+
+
+def _dead(p: LocalPipeline) -> list[schema.DeadLetter]:
+    return [schema.DEAD_LETTER.decode(f[b"p"]) for _, f in xrange_all(p.r, p.keys.dead)]
+
+
+def _check_scored(s: schema.Score, answers: dict[str, str]) -> None:
+    """The reward is made of the judge's own answer and the exact check, nothing else."""
+    j = s.info["judge"]
+    first = re.search(r"\d", j["raw"])
+    assert first is not None and j["score"] == float(first.group())
+    assert j["prompt"].startswith("Question: What is") and "Score:" in j["prompt"]
+    assert s.info["reward_functions"]["judge"] == pytest.approx(j["score"] / 9)
+    exact = s.info["reward_functions"]["exact_answer"]
+    expected = re.search(r"Expected: (\S+) Answer:", j["prompt"]).group(1)
+    assert exact == (1.0 if answers[s.task_id].strip() == expected else 0.0)
+    assert s.reward == pytest.approx(0.5 * j["score"] / 9 + 0.5 * exact)
+
+
+def _answers(p: LocalPipeline) -> dict[str, str]:
+    out = {}
+    for _, f in xrange_all(p.r, p.keys.rollouts):
+        t = schema.TRAJECTORY.decode(f[b"p"])
+        out[t.task_id] = t.items[-1].content
+    return out
+
+
+def test_judge_scores_every_sample_within_the_pool_and_pays_once(
+    judge, redis_url, subprocess_env, tmp_path
+):
+    prompts = 8
+    judge.admin(reset_max=True)
+    before = judge.stats()["calls"]
+    cfg = _config("judge-ok", judge.url)
+    with LocalPipeline(cfg, url=redis_url, directory=tmp_path, worker_env=subprocess_env) as p:
+        _run(p, _rows(tmp_path / "rows.jsonl", prompts), prompts)
+        p.start_workers(rollout=1, verify=WORKERS)
+        p.wait_groups(prompts, timeout=120)
+        scores, dead, answers = _scores(p), _dead(p), _answers(p)
+        judged = judge_stats(p.r, cfg.run)
+        calls = judge.stats()["calls"] - before
+        again = drift_report(p.r, cfg.run)  # re-verify every stored trajectory
+        after = judge.stats()
+        rejudged = judge_stats(p.r, cfg.run)
+    assert not dead and len(scores) == 2 * prompts
+    for s in scores:
+        assert s.reward is not None, s.failure
+        _check_scored(s, answers)
+    # every call the workers made reached the server; a sample whose judge input had been
+    # answered (the same answer to the same question) was not sent again, an unparseable
+    # answer was asked again
+    distinct = len({s.info["judge"]["prompt"] for s in scores})
+    assert judged["samples"] == 2 * prompts and judged["calls"] == calls
+    assert judged.get("cached", 0) == 2 * prompts - distinct and calls >= distinct
+    assert after["max_in_flight"] <= LIMIT  # 3 workers, one pool of 2
+    # the cache: re-verifying 16 samples made no call and changed no reward
+    (row,) = again["drift"]
+    assert row["samples"] == 2 * prompts and row["changed"] == row["failed"] == 0
+    assert after["calls"] - before == calls
+    assert rejudged["cached"] - judged.get("cached", 0) == 2 * prompts
+    assert rejudged["calls"] == calls
+    print(
+        f"\njudge figures: run {judged}, reverify {rejudged}; distinct judge inputs "
+        f"{distinct}; server calls {calls} then {after['calls'] - before}; "
+        f"server max in flight {after['max_in_flight']}"
+    )
+
+
+def _sample(i: int) -> tuple[Task, Trajectory]:
+    task = Task(task_id=f"p{i}:0", prompt_id=f"p{i}", k=0, group_size=1, env="chat",
+                input=[Message(role="user", content=f"What is {i} + {i}?")],
+                data={"ground_truth": str(2 * i)})  # fmt: skip
+    traj = Trajectory(task_id=task.task_id, prompt_id=task.prompt_id, k=0, group_size=1,
+                      env="chat", items=[*task.input, Message(role="assistant", content="2")],
+                      n_input=1, turns=[], status="completed", data=task.data)  # fmt: skip
+    return task, traj
+
+
+def test_a_hanging_judge_is_a_failure_and_its_calls_are_given_up(judge, r):
+    cfg = _config("judge-hang", judge.url, timeout_s=0.5, retries=1, backoff_s=0.05)
+    rewards = RewardFunctions.of_run(cfg, r)
+    _, traj = _sample(1)
+    judge.admin(hang=True)
+    try:
+        with pytest.raises(VerifyFailure, match=r"judge timed out .* \(after 2 attempts\)"):
+            verify_one(make_env("chat"), traj, timeout_s=30, retries=0, rewards=rewards)
+        # each attempt held a slot only while its request was out; the server saw both go
+        wait_for(lambda: judge.stats()["in_flight"] == 0, "the server to drop the calls", 10)
+    finally:
+        judge.admin(hang=False)
+    assert judge_stats(r, cfg.run) == {"calls": 2, "failures": 1}
+    assert not r.keys("*judge:cache*")  # nothing to remember
+    assert all(not r.zcard(k) for k in r.keys("*judge:pool*busy"))  # no slot left held
+
+
+def test_a_refusal_is_a_failure_at_once_and_a_5xx_is_retried(judge, r):
+    cfg = _config("judge-refused", judge.url, retries=8, backoff_s=0.01, max_tokens=8)
+    rewards = RewardFunctions.of_run(cfg, r)
+    task, traj = _sample(2)
+    judge.admin(fail_next=1, status=404)  # a wrong model name, say: asking again cannot help
+    with pytest.raises(JudgeUnavailable, match="HTTP 404 \\(not retried\\)"):
+        rewards.judge.score(task, traj)
+    assert judge_stats(r, cfg.run) == {"calls": 1, "failures": 1}
+    judge.admin(fail_next=2, status=503)
+    _, info = rewards.judge.score(task, traj)
+    assert info["calls"] >= 3 and not info["cached"]
+
+
+def test_one_worker_keeps_several_calls_out_and_scores_from_them(judge, r):
+    """``Judge.prefetch`` (what a verifier worker does with each batch): six samples asked for
+    side by side under a pool of 3, then scored in order without another call."""
+    # scored here without the worker's retries: room for the tiny model's answers with no digit
+    cfg = _config("judge-prefetch", judge.url, max_in_flight=3, retries=6, max_tokens=8)
+    rewards = RewardFunctions.of_run(cfg, r)
+    samples = [_sample(i) for i in range(6)]
+    judge.admin(reset_max=True)
+    beats = []
+    rewards.judge.prefetch(samples, lambda: beats.append(1), every_s=0.05)
+    sent = judge_stats(r, cfg.run)["calls"]
+    most = judge.stats()["max_in_flight"]
+    assert 2 <= most <= 3 and beats
+    for task, traj in samples:
+        _, info = rewards.judge.score(task, traj)
+        assert info["score"] == float(re.search(r"\d", info["raw"]).group())
+    assert judge_stats(r, cfg.run) == {"calls": sent, "samples": 6}
+    print(f"\nprefetch: 6 samples, {sent} calls, server max in flight {most} (pool of 3)")
+
+
+def test_the_readme_judge_example(judge, r, redis_url, tmp_path, monkeypatch):
+    """The README's config and commands as written, but for the endpoint: this suite's judge
+    server, its model, and temperature 1 (a tiny random model names a grade only when it
+    samples). The producer's tasks are then graded in this process."""
+    section = (ROOT / "README.md").read_text().split("## LLM judges", 1)[1].split("\n## ", 1)[0]
+    config = re.search(r"```toml\n(.*?)```", section, re.S).group(1)
+    endpoint = 'base_url = "http://127.0.0.1:8001/v1"'
+    assert endpoint in config and '\nmodel = "judge"\n' in config
+    config = config.replace(endpoint, f'base_url = "{judge.url}/v1"').replace(
+        '\nmodel = "judge"\n', f'\nmodel = "{SERVED}"\ntemperature = 1.0\n'
+    )
+    (tmp_path / "judge.toml").write_text(config)
+    produce = re.search(r"```bash\n(streamrl produce .*?)\n(?!\s)", section, re.S).group(1)
+    argv = shlex.split(produce.replace("\\\n", " "))[1:]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    done = CliRunner().invoke(
+        main, argv, env={"STREAMRL_REDIS_URL": redis_url}, catch_exceptions=False
+    )
+    assert done.exit_code == 0, done.output
+    cfg = read_config(r.get(Keys("judge-add").config))
+    assert cfg.verifier == ["judge", "examples.trl_rewards:no_extra_words"]
+    rewards = RewardFunctions.of_run(cfg, r)
+    tasks = [schema.TASK.decode(f[b"p"]) for _, f in xrange_all(r, Keys(cfg.run).tasks)]
+    assert len(tasks) == 64 * 4
+    for task in tasks[:8:4]:  # two prompts, answered right (the scripted policy's reference)
+        answer = Message(role="assistant", content=task.data["ground_truth"])
+        traj = Trajectory(task_id=task.task_id, prompt_id=task.prompt_id, k=task.k,
+                          group_size=task.group_size, env=task.env, items=[*task.input, answer],
+                          n_input=len(task.input), turns=[], status="completed",
+                          data=task.data)  # fmt: skip
+        verdict = rewards.score(task, traj)
+        j = verdict.info["judge"]
+        assert f"Reference answer: {task.data['ground_truth']}" in j["prompt"]
+        assert j["score"] == float(re.search(r"\d+", j["raw"]).group())
+        assert verdict.reward == pytest.approx(0.8 * j["score"] / 10 + 0.2 * 1.0)
+
+
+def test_429_and_a_killed_judge_are_never_a_reward(judge, redis_url, subprocess_env, tmp_path):
+    prompts = 8
+    cfg = _config("judge-chaos", judge.url, retries=8, backoff_s=0.2, backoff_max_s=1.0)
+    base = judge.stats()["statuses"]
+
+    def served(status: str) -> int:
+        return judge.stats()["statuses"].get(status, 0) - base.get(status, 0)
+
+    judge.admin(fail_next=6, status=429, reset_max=True)
+    judge.incarnations.clear()
+    with LocalPipeline(cfg, url=redis_url, directory=tmp_path, worker_env=subprocess_env) as p:
+        _run(p, _rows(tmp_path / "rows.jsonl", prompts), prompts)
+        p.start_workers(rollout=1, verify=WORKERS)
+        wait_for(lambda: served("429") >= 6 and served("200") >= 6, "429s, then answers", 120)
+        seen_429 = served("429")
+        judge.kill()  # mid-run: calls in flight die with it
+        judge.start(delay_s=0.15)
+        p.wait_groups(prompts, timeout=120)
+        scores, dead, answers = _scores(p), _dead(p), _answers(p)
+        judged = judge_stats(p.r, cfg.run)
+    judge.incarnations.append(judge.stats())
+    assert seen_429 == 6
+    rewarded = [s for s in scores if s.reward is not None]
+    for s in rewarded:
+        _check_scored(s, answers)
+    failed = [s for s in scores if s.reward is None]
+    assert all("judge" in s.failure for s in failed)
+    assert all(d.stage == "verify" and "judge" in d.reason for d in dead)
+    assert len({s.task_id for s in rewarded}) + len(dead) == 2 * prompts
+    assert max(st["max_in_flight"] for st in judge.incarnations) <= LIMIT
+    assert judge.incarnations[-1]["calls"] > 0  # the kill came before the run's end
+    print(
+        f"\n429s served {seen_429}; scored {len(rewarded)}, dead-lettered {len(dead)}; "
+        f"judge figures {judged}; max in flight per server process "
+        f"{[st['max_in_flight'] for st in judge.incarnations]}; in flight at the kill "
+        f"{judge.incarnations[0]['in_flight']}, calls per server process "
+        f"{[st['calls'] for st in judge.incarnations]}"
+    )
