@@ -267,18 +267,21 @@ class RunConfig(_Cfg, kw_only=True):
                 raise ValueError("with [[envs]], give env_options in each [[envs]] table")
             if not any(e.live for e in self.envs):
                 raise ValueError("envs: every weight is 0; give one environment a weight")
+        names = [*self.reward_functions]
+        for e in self.envs:  # an [[envs]] entry's verifier may name the run's judge too
+            names += [e.verifier] if isinstance(e.verifier, str) else list(e.verifier)
+        if (JUDGE in names) != (self.judge is not None):
+            raise ValueError(
+                'verifier "judge" needs a [judge] table (base_url, model, prompt)'
+                if self.judge is None
+                else 'a [judge] table is used only with verifier = "judge" (or a list holding it)'
+            )
 
     def mixture(self) -> Mixture:
         """The run's environments as a mixture: its ``[[envs]]``, or ``env`` alone."""
         if self.envs:
             return Mixture(envs=list(self.envs))
         return Mixture(envs=[EnvEntry(env=self.env, env_options=self.env_options)])
-        if (JUDGE in self.verifier) != (self.judge is not None):
-            raise ValueError(
-                'verifier "judge" needs a [judge] table (base_url, model, prompt)'
-                if self.judge is None
-                else 'a [judge] table is used only with verifier = "judge" (or a list holding it)'
-            )
 
     @property
     def reward_functions(self) -> list[str]:
