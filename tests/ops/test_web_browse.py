@@ -115,3 +115,11 @@ def test_conversation_marks_errors_and_versions():
     assert answer.turn == 1 and not answer.error
     good = conversation(_sample("p", 1, 1.0, 7, "counter").trajectory)[1]
     assert good.text == '{\n  "n": 2\n}' and not good.error
+
+
+def test_long_text_is_folded_behind_its_first_line():
+    traj = _sample("p", 1, 1.0, 0, "copy").trajectory
+    traj.items[-1] = Message(role="assistant", content="first line\n" + "x" * 700)
+    answer = conversation(traj)[-1]
+    assert answer.folded and answer.summary == "first line"
+    assert not conversation(_sample("p", 1, 1.0, 0, "copy").trajectory)[-1].folded

@@ -35,11 +35,12 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from streamrl import schema
 from streamrl.bus.shards import run_shards
 from streamrl.connection import redact
 from streamrl.ops.status import collect
 from streamrl.ops.web import browse
-from streamrl.ops.web.conversation import conversation
+from streamrl.ops.web.conversation import Turn, conversation
 from streamrl.ops.web.feed import RewardFeed
 
 HERE = Path(__file__).parent
@@ -185,10 +186,10 @@ class View:
         d = browse.dead_letter(self.r, self.run, shard, eid)
         carried = browse.dead_payload(d.letter) if d.letter else None
         turns = []
-        if carried is not None and hasattr(carried, "turns"):
-            turns = conversation(carried)  # type: ignore[arg-type]
-        elif carried is not None:  # a task: its input as a conversation
-            turns = [t for t in _task_turns(carried)]  # type: ignore[arg-type]
+        if isinstance(carried, schema.Trajectory):
+            turns = conversation(carried)
+        elif isinstance(carried, schema.Task):  # its input, as a conversation
+            turns = _task_turns(carried)
         raw = ""
         if d.letter and d.letter.payload and carried is None:
             raw = d.letter.payload.decode("utf-8", errors="replace")
@@ -216,9 +217,7 @@ def _number(form: dict[str, str], name: str, kind: type, problems: list[str]) ->
     return value
 
 
-def _task_turns(task: Any) -> list[Any]:
-    from streamrl import schema
-
+def _task_turns(task: schema.Task) -> list[Turn]:
     traj = schema.Trajectory(
         task_id=task.task_id, prompt_id=task.prompt_id, k=task.k, group_size=task.group_size,
         env=task.env, items=list(task.input), n_input=len(task.input), turns=[],
