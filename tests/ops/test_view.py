@@ -129,6 +129,8 @@ def test_pages_escape_model_text_and_never_show_the_password(viewed_run):
         seen.append(page)
     status, page = _get(run.view + "/samples?min_reward=lots")
     assert status == 200 and "min_reward: &#39;lots&#39; is not a number" in page
+    status, page = _get(run.view + "/samples?before=yesterday")
+    assert status == 200 and "before: &#39;yesterday&#39; is not a stream entry ID" in page
     assert _get(run.view + "/sample/0/1-1/0")[0] == 404
     assert _get(run.view + "/group/7/1-1")[0] == 404
     assert _get(run.view + "/", host="evil.example")[0] == 400  # DNS rebinding: refused
