@@ -141,7 +141,9 @@ def test_pages_escape_model_text_and_never_show_the_password(viewed_run):
 def _browser():
     """Playwright's Chromium driving Debian's chromium, or a skip that says what is missing."""
     sync_api = pytest.importorskip(
-        "playwright.sync_api", reason="the browser test needs playwright: pip install playwright"
+        "playwright.sync_api",
+        reason="the browser test needs playwright: pip install playwright",
+        exc_type=ImportError,
     )
     if not (os.access(CHROMIUM, os.X_OK) or shutil.which("chromium")):
         pytest.skip("the browser test needs Debian's chromium: apt-get install chromium")
