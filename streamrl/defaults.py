@@ -160,6 +160,9 @@ METRICS_PORT = 9464
 METRICS_REWARD_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 METRICS_TAIL_MAX_ENTRIES = 50_000
 
+# The local web view (`streamrl view`): its port, on 127.0.0.1 unless --host says otherwise.
+VIEW_PORT = 8470
+
 # NeMo Gym resources servers (envs/nemo_gym.py, its HTTP client envs/_nemo_gym_http.py): how
 # much of an error body a failure keeps, and the row field whose recorded output items the
 # scripted policy replays.

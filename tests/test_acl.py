@@ -52,9 +52,10 @@ def _cli(url: str, *args: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
 
 
-def _scrape_and_watch(url: str, env: dict) -> tuple[str, str]:
-    """One scrape of ``streamrl metrics`` and two seconds of ``streamrl watch``, both on
-    ``url``'s user: what the exporter served and what the live view drew."""
+def _scrape_and_watch(url: str, env: dict) -> tuple[str, str, list[str]]:
+    """One scrape of ``streamrl metrics``, two seconds of ``streamrl watch`` and the live
+    page and trajectory list of ``streamrl view``, all on ``url``'s user: what the exporter
+    served, what the live view drew, and the web pages."""
     base = [sys.executable, "-m", "streamrl.cli", "--redis", url, "--run", RUN]
     metrics = subprocess.Popen([*base, "metrics", "--port", "0", "--addr", "127.0.0.1"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -62,6 +63,8 @@ def _scrape_and_watch(url: str, env: dict) -> tuple[str, str]:
     watch = subprocess.Popen([*base, "watch", "--interval", "0.2"], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True,
                              env={**env, "COLUMNS": "200", "TERM": "dumb"})  # fmt: skip
+    view = subprocess.Popen([*base, "view", "--port", "0"], stderr=subprocess.PIPE, text=True,
+                            env=env)  # fmt: skip
     try:
         served = ""
         for line in metrics.stdout:  # type: ignore[union-attr]
@@ -69,13 +72,23 @@ def _scrape_and_watch(url: str, env: dict) -> tuple[str, str]:
             if found:
                 served = urllib.request.urlopen(found.group(0), timeout=30).read().decode()
                 break
+        pages = []
+        for line in view.stderr:  # type: ignore[union-attr]
+            found = re.search(r"http://[0-9.]+:[0-9]+/", line)
+            if found:
+                for path in ("api/live", "samples"):
+                    with urllib.request.urlopen(found.group(0) + path, timeout=30) as res:
+                        pages.append(res.read().decode())
+                break
         time.sleep(2.0)
     finally:
         metrics.terminate()
+        view.terminate()
         watch.send_signal(signal.SIGINT)
         watched = watch.communicate(timeout=30)[0]
         metrics.communicate(timeout=30)
-    return served, watched
+        view.communicate(timeout=30)
+    return served, watched, pages
 
 
 def test_every_role_on_its_own_acl_user(tmp_path, subprocess_env):
@@ -196,7 +209,7 @@ def test_every_role_on_its_own_acl_user(tmp_path, subprocess_env):
             obs.get(other.key("secret"))
         status = _cli(url["observer"], "status", "--json", env=subprocess_env)
         export = _cli(url["observer"], "export", "--format", "nemo-gym", env=subprocess_env)
-        scrape, watched = _scrape_and_watch(url["observer"], subprocess_env)
+        scrape, watched, pages = _scrape_and_watch(url["observer"], subprocess_env)
         p.procs = None  # the workers are stopped above
 
     own_run = [e for e in refused if f"{{{OTHER}}}" not in e["object"]]
@@ -211,13 +224,16 @@ def test_every_role_on_its_own_acl_user(tmp_path, subprocess_env):
     assert all("permission" in v for v in denied.values()), denied
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["groups_completed"] == PROMPTS
-    # the observer's other reads: export, the Prometheus exporter and the live view
+    # the observer's other reads: export, the Prometheus exporter, the live view, the web view
     assert export.returncode == 0, export.stderr
     assert len(export.stdout.splitlines()) == PROMPTS * GROUP
     assert "streamrl_redis_up 1.0" in scrape, scrape[:2000]
     assert f'streamrl_groups_completed_total{{run="{RUN}"}} {float(PROMPTS)}' in scrape
     assert "permission" not in watched.lower() and "Traceback" not in watched, watched[-2000:]
     assert str(PROMPTS) in watched, watched[-2000:]
+    live, samples = pages  # streamrl view: every sample on the chart, the newest in the list
+    assert sum(json.loads(live)["chart"]["samples"]) == PROMPTS * GROUP
+    assert samples.count('class="sample-link"') == min(50, PROMPTS * GROUP)
 
 
 def test_acl_prints_rules_and_refuses_a_bad_password_option(subprocess_env):

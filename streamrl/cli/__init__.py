@@ -16,7 +16,7 @@ from streamrl.cli.bench import bench
 from streamrl.cli.demo import demo
 from streamrl.cli.evaluate import audit_command, eval_command
 from streamrl.cli.mix import mix
-from streamrl.cli.observe import dead, metrics, status, watch
+from streamrl.cli.observe import dead, metrics, status, view, watch
 from streamrl.cli.run import produce, up, worker
 from streamrl.cli.sandbox import sandbox_group
 from streamrl.cli.streams import export, replay, reverify, trim
@@ -133,7 +133,7 @@ class _LazyCommand(click.Command):
 # module imports torch, which `streamrl --help` and every other command do without.
 for command in (
     *(up, produce, worker, mix),  # run: a private Redis, tasks in, rq workers, the mixture
-    *(status, metrics, watch, dead),  # observe: read a run without changing it
+    *(status, metrics, watch, view, dead),  # observe: read a run without changing it
     *(trim, replay, reverify, export),  # streams: act on a run's streams
     *(eval_command, audit_command, sandbox_group),  # evaluate, sandbox
     *(bench, demo, acl_command),

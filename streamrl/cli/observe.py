@@ -1,5 +1,6 @@
 """Commands that look at a running run without changing it: `status`, `metrics` (Prometheus),
-`watch` (live view) and `dead` (dead letters)."""
+`watch` (live view), `view` (a local web page of the run and its trajectories) and `dead`
+(dead letters)."""
 
 from __future__ import annotations
 
@@ -109,3 +110,52 @@ def dead(c: Ctx, limit: int, as_json: bool) -> None:
             click.echo(json.dumps(rec))
         else:
             click.echo(f"{rec['id']}  {dl.stage:<8} {dl.task_id:<28} {dl.reason}")
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@click.command()
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=d.VIEW_PORT,
+    show_default=True,
+    envvar="STREAMRL_VIEW_PORT",
+    help="Port of the page (0: any free port).",
+)
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on. Anything but loopback shows the run, model text included, "
+    "to whoever can reach it: there is no login.",
+)
+@pass_ctx
+def view(c: Ctx, port: int, host: str) -> None:
+    """A local web page of the run: reward by policy version as it is scored, stages,
+    workers, learner, dead letters, and a browser of the scored trajectories (Ctrl-C stops)."""
+    try:
+        from streamrl.ops.web.app import listen, make_app, serve
+    except ImportError as e:
+        raise click.ClickException(
+            f"streamrl view needs its web libraries ({e.name} is missing): "
+            "pip install 'streamrl[view]'"
+        ) from None
+    from streamrl.connection import redact
+
+    r = c.client(resilient=False)  # a page says at once that Redis is down, then recovers
+    control = c.control(r)
+    loopback = host in _LOOPBACK
+    hosts = ["127.0.0.1", "localhost", "[::1]"] if loopback else ["*"]
+    try:
+        sock = listen(host, port)
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {e}") from None
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    app = make_app(r, c.run, control, where=redact(c.url()), hosts=hosts)
+    click.echo(f"streamrl view of run {c.run!r}: http://{shown}:{bound}/  (Ctrl-C stops)", err=True)
+    if not loopback:
+        click.echo(f"warning: listening on {host}, not loopback: no login protects it", err=True)
+    serve(app, sock)

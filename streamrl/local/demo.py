@@ -130,6 +130,7 @@ def train_demo(opts: DemoOptions = DemoOptions()) -> dict:
             f"[bold]streamrl demo[/]: tiny Llama learning `{cfg.env}` - Redis {p.url}, "
             f"config {config_path}, logs {p.dir}/logs"
         )
+        console.print(f"in a browser: streamrl --redis {p.url} --run {RUN} view", soft_wrap=True)
         learner = _start_learner(p, forks, env, config_path)
         # the model exists now: one lease per worker, without waiting for their idle poll
         leases.top_up(p.r, ROLLOUT_QUEUE, RUN, waiting=opts.rollout_workers)
