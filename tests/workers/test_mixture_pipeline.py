@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from streamrl import schema
 from streamrl.config import EnvEntry, PolicyConfig, RunConfig, TripwireConfig
 from streamrl.local.pipeline import LocalPipeline, xrange_all
@@ -87,3 +89,12 @@ def test_mix_changes_mid_run_and_a_tripwire_pauses_the_hackable_env(
     text = re.sub(r"\s+", " ", shown.stdout)
     assert shown.returncode == 0 and "PAUSED echo: tripwire restate:" in text, shown.stdout
     print("tripwire:", fired["echo"])
+    # the web view's live panel shows the same per-environment table (the view extra)
+    pytest.importorskip("jinja2", reason="the web view needs the view extra")
+    from markupsafe import escape
+
+    from streamrl.ops.web.app import _environment
+
+    panel = _environment().get_template("_panel.html").render(info=status, chart={}, dead=[])
+    assert 'id="mixture"' in panel and f"paused: {escape(fired['echo'])}" in panel, panel
+    assert ">removed<" in panel  # counter
