@@ -23,6 +23,7 @@ from streamrl.local.pipeline import LocalPipeline, xrange_all
 from streamrl.producer.produce import Producer
 from tests.support.openenv_kills import config, kill_run, write_rows
 from tests.support.openenv_server import free_port
+from tests.support.waiting import wait_for
 
 
 def _check(f: dict, why: str) -> None:
@@ -70,6 +71,12 @@ def test_a_server_that_is_down_dead_letters_and_never_scores(redis_url, subproce
         Producer(p.r, cfg.run).from_jsonl(tmp_path / "rows.jsonl", "openenv", 2)
         p.start_workers(rollout=1, verify=1)
         p.wait_groups(prompts, timeout=180)
+        # a group is dropped at its first dead sample; its other sample's letter may follow
+        wait_for(
+            lambda: p.r.xlen(p.keys.dead) >= prompts * 2,
+            lambda: f"{p.r.xlen(p.keys.dead)} of {prompts * 2} samples dead-lettered",
+            timeout=60,
+        )
         scores = [schema.SCORE.decode(f[b"p"]) for _, f in xrange_all(p.r, p.keys.scored)]
         dead = [schema.DEAD_LETTER.decode(f[b"p"]) for _, f in xrange_all(p.r, p.keys.dead)]
         completed, dropped = p.stat("groups_completed"), p.stat("groups_dropped")
