@@ -21,6 +21,8 @@ from streamrl.envs import Environment, make_env
 from streamrl.verifiers.judge import Judge
 from streamrl.verifiers.reward_functions import RewardFunctions
 
+_UNSET: Any = object()  # the run's reward functions, not built yet (None: it has none)
+
 
 @dataclass
 class EnvTable:
@@ -30,6 +32,8 @@ class EnvTable:
     envs: dict[str, Environment] = field(default_factory=dict)
     rewards: dict[str, RewardFunctions | None] = field(default_factory=dict)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _judge: Judge | None = None
+    _run_rewards: Any = _UNSET
 
     def __post_init__(self) -> None:
         if self.config.envs:
@@ -69,15 +73,23 @@ class EnvTable:
         return env
 
     def reward_functions(self, name: str) -> RewardFunctions | None:
-        """The reward functions that score ``name``'s samples: its entry's, else the run's;
-        None: the environment verifies its own."""
+        """The reward functions that score ``name``'s samples: its entry's, else the run's
+        (one instance for every name that uses them); None: the environment verifies its
+        own. Every instance shares the run's one judge."""
         if name not in self.rewards:
             entry = self.entries.get(name)
-            names, weights = self.config.reward_functions, self.config.reward_weights
             if entry is not None and entry.verifier:
-                names, weights = list(entry.verifier), entry.reward_weights
-            judge = None
-            if JUDGE in names and self.config.judge is not None:
-                judge = Judge(self.config.judge, self.r, self.config.run)
-            self.rewards[name] = RewardFunctions(names, weights, judge) if names else None
+                self.rewards[name] = self._build(list(entry.verifier), entry.reward_weights)
+            else:
+                if self._run_rewards is _UNSET:
+                    cfg = self.config
+                    self._run_rewards = self._build(cfg.reward_functions, cfg.reward_weights)
+                self.rewards[name] = self._run_rewards
         return self.rewards[name]
+
+    def _build(self, names: list[str], weights: list[float] | None) -> RewardFunctions | None:
+        if not names:
+            return None
+        if JUDGE in names and self._judge is None and self.config.judge is not None:
+            self._judge = Judge(self.config.judge, self.r, self.config.run)
+        return RewardFunctions(names, weights, self._judge if JUDGE in names else None)
