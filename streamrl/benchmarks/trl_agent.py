@@ -184,6 +184,7 @@ def main() -> None:
     args.snapshots.mkdir(parents=True, exist_ok=True)
     result: dict = {"lr": args.lr, "seed": args.seed, "threads": args.threads, "snapshots": []}
     rewards: list[float] = []
+    zero_std: list[float] = []
     off_clock = [0.0]  # seconds spent saving snapshots, not training
 
     class Watch(TrainerCallback):
@@ -198,6 +199,11 @@ def main() -> None:
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and "reward" in logs:
                 rewards.append(float(logs["reward"]))
+                # groups whose 8 rewards are all equal: no advantage, no gradient
+                zero_std.append(float(logs.get("frac_reward_zero_std", float("nan"))))
+                with open(args.snapshots / "steps.jsonl", "a") as f:  # read if the run is cut off
+                    f.write(json.dumps({"step": state.global_step, "reward": rewards[-1],
+                                        "frac_reward_zero_std": zero_std[-1]}) + "\n")  # fmt: skip
                 recent = rewards[-args.stop_window :]
                 if (
                     len(recent) == args.stop_window
@@ -277,6 +283,7 @@ def main() -> None:
     result["seconds"] = round(time.perf_counter() - result.pop("t0") - off_clock[0], 2)
     result["snapshot_seconds"] = round(off_clock[0], 2)
     result["rewards"] = [round(r, 4) for r in rewards]
+    result["frac_reward_zero_std"] = [round(z, 3) for z in zero_std]
     print(json.dumps(result))
 
 

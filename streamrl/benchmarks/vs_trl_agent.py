@@ -145,6 +145,12 @@ def trl_side(
     res["snapshots"] = (
         [json.loads(ln) for ln in index.read_text().splitlines()] if index.exists() else []
     )
+    steps = work / "snaps" / "steps.jsonl"
+    if steps.exists() and "rewards" not in res:  # cut off before it printed its result
+        logged = [json.loads(ln) for ln in steps.read_text().splitlines()]
+        res["rewards"] = [round(s["reward"], 4) for s in logged]
+        res["frac_reward_zero_std"] = [s["frac_reward_zero_std"] for s in logged]
+        res["steps"] = logged[-1]["step"] if logged else 0
     res.setdefault("steps", res["snapshots"][-1]["step"] if res["snapshots"] else 0)
     res.setdefault("snapshot_seconds", None)
     res.update(launched=launched, work=str(work), config=str(cfg), stopped_after=stopped)
@@ -238,7 +244,8 @@ def vs_trl_agent(
             row[f"{name}_detail"] = {
                 "stopped_after": side["stopped_after"], "steps": side["steps"],
                 "rewards": side.get("rewards"), "evals": res["evals"],
-                **({"lr": side["lr"], "snapshot_seconds": side["snapshot_seconds"]}
+                **({"lr": side["lr"], "snapshot_seconds": side["snapshot_seconds"],
+                    "frac_reward_zero_std": side.get("frac_reward_zero_std")}
                    if name == "trl" else {}),
             }  # fmt: skip
             if row[name] is None:

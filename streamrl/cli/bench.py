@@ -289,6 +289,14 @@ def bench_soak(minutes, kill_every_s, sample_s, seed, plot_path, directory, as_j
     help="lookup: a side stops early once its training reward (last two steps) is this high.",
 )
 @click.option(
+    "--snapshot-every",
+    type=click.FloatRange(min=1),
+    default=60.0,
+    show_default=True,
+    help="lookup: seconds of TRL training between its weight snapshots (each one is evaluated "
+    "afterwards until one reaches the target: fewer snapshots, shorter evaluation).",
+)
+@click.option(
     "--together",
     is_flag=True,
     help="lookup: run the two sides of a pair at the same time (on a machine others load, "
@@ -297,7 +305,7 @@ def bench_soak(minutes, kill_every_s, sample_s, seed, plot_path, directory, as_j
 @click.option("--json", "as_json", is_flag=True)
 def bench_vs_trl(
     task, runs, trl_lr, seconds, trl_seconds, target, config_path, model, eval_prompts, eval_k,
-    stop_reward, together, as_json,
+    stop_reward, snapshot_every, together, as_json,
 ) -> None:  # fmt: skip
     """streamrl vs TRL GRPOTrainer, as whole processes from a cold start, both from this one
     command, with the ratio: `copy`, seconds to the target reward; `lookup`, seconds to the
@@ -323,6 +331,7 @@ def bench_vs_trl(
             stop_reward=stop_reward,
             eval_prompts=eval_prompts,
             eval_k=eval_k,
+            snapshot_every=snapshot_every,
             together=together,
             progress=say,
         )
