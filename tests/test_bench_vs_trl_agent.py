@@ -65,6 +65,23 @@ def test_trl_renders_the_prompt_streamrl_renders():
     assert want.count("<tool_call>") == 4  # the worked example's two calls, the model's, the format
 
 
+def test_trl_renders_its_dataset_rows_as_streamrl_renders_the_prompt():
+    """The rows as TRL reads them: through a ``datasets.Dataset`` (Arrow columns), which once
+    gave the worked example's lookup call a ``"code": null`` argument."""
+    import datasets
+
+    env, rng, tools = LookupEnv(split="train"), random.Random(0), LookupTools()
+    ours = build_tokenizer(chat_template=SMOLLM2_TEMPLATE)
+    theirs = tool_tokenizer(build_tokenizer(chat_template=SMOLLM2_TEMPLATE))
+    table = datasets.Dataset.from_list(rows(4, seed=0))
+    for i in range(4):
+        want = _streamrl_text(ours, env.generate(rng, i).input, env.tools)
+        got = theirs.apply_chat_template(table[i]["prompt"], tools=[tools.lookup, tools.submit],
+                                         tokenize=False, add_generation_prompt=True)  # fmt: skip
+        assert got == want
+        assert "null" not in got
+
+
 def test_trl_takes_the_tool_template_and_refuses_smollm2s_own():
     from trl.chat_template_utils import is_chat_template_prefix_preserving, supports_tool_calling
 

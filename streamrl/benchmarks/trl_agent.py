@@ -131,7 +131,11 @@ def rows(n: int, seed: int) -> list[dict]:
     for i in range(n):
         p = env.generate(rng, i)
         row = {"directory": json.dumps(p.data["directory"]), "target": p.data["target"]}
-        out.append({"prompt": to_messages(p.input, arguments_as_dict=True), **row})
+        # the worked example's calls written into the assistant's text, as the hf backend
+        # writes them: as tool_calls, datasets' Arrow columns would give every call's arguments
+        # every argument name of every call (lookup {"name": "Ana", "code": null}), and the
+        # model would learn from that example to call lookup with a code
+        out.append({"prompt": to_messages(p.input, inline_tool_calls=True), **row})
     return out
 
 
