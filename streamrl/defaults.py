@@ -75,6 +75,7 @@ JUDGE_TIMEOUT_S = 30.0
 JUDGE_RETRIES = 3
 JUDGE_BACKOFF_S = 0.5
 JUDGE_BACKOFF_MAX_S = 8.0
+JUDGE_RETRY_AFTER_MAX_S = 30.0  # the longest Retry-After a judge endpoint is obeyed for
 JUDGE_MAX_TOKENS = 16
 JUDGE_CACHE_TTL_S = 7 * 24 * 3600
 # a pool slot is a lease: held past the call's timeout by this much, it frees itself (a worker

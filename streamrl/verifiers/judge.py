@@ -23,12 +23,16 @@ an answer that is not a chat completion or holds no score in ``[min_score, max_s
 retried ``retries`` times with capped exponential backoff (each attempt holding a pool slot
 only while its request is out), then raise ``JudgeUnavailable``; the verifier worker retries
 the sample and dead-letters it with that reason. Another 4xx (a wrong model name, a bad key)
-is raised at once. The Score keeps the filled prompt, the raw answer and the parsed score in
-``info["judge"]``.
+is raised at once. A 429 or 503 is the endpoint saying it is overloaded: its ``Retry-After``
+(seconds or an HTTP date; ``backoff_s`` without one), capped at ``retry_after_max_s``, holds
+the whole run's pool off the endpoint (no worker starts a call until it has passed) and is the
+least the told call waits before its next attempt. The Score keeps the filled prompt, the raw
+answer and the parsed score in ``info["judge"]``.
 """
 
 from __future__ import annotations
 
+import email.utils
 import hashlib
 import json
 import math
@@ -59,6 +63,7 @@ from streamrl.schema import (
 )
 
 _RETRY_STATUS = frozenset({408, 425, 429})
+_OVERLOADED = frozenset({429, 503})  # the endpoint as a whole: every worker backs off
 _SNIPPET = 300
 
 
@@ -112,6 +117,25 @@ def parse_score(raw: str, cfg: JudgeConfig) -> float | None:
     if not math.isfinite(value) or not cfg.min_score <= value <= cfg.max_score:
         return None
     return value
+
+
+def retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds a ``Retry-After`` header asks for (delay-seconds or an HTTP date); None when
+    there is none or it cannot be read."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:
+            return None
+        seconds = when.timestamp() - (time.time() if now is None else now)
+    return max(0.0, seconds) if math.isfinite(seconds) else None
 
 
 def config_version(cfg: JudgeConfig) -> str:
@@ -250,7 +274,7 @@ class Judge:
             if self._pool is None:
                 resp = self._post(body)
             else:
-                with self._pool.slot(wait_s=cfg.timeout_s):
+                with self._pool.slot(wait_s=cfg.timeout_s + cfg.retry_after_max_s):
                     resp = self._post(body)
         except PoolTimeout as e:
             raise Retryable(f"judge pool: {e}") from None
@@ -261,7 +285,8 @@ class Judge:
             raise Retryable(f"judge connection error: {type(e).__name__}: {e}") from None
         status = resp.status_code
         if status in _RETRY_STATUS or status >= 500:
-            raise Retryable(f"judge answered HTTP {status}: {_snippet(resp.text)}")
+            why = f"judge answered HTTP {status}: {_snippet(resp.text)}"
+            raise Retryable(why, after_s=self._back_off(status, resp.headers, why))
         if status >= 400:
             raise JudgeUnavailable(
                 f"judge refused the request, HTTP {status} (not retried): {_snippet(resp.text)}"
@@ -278,6 +303,20 @@ class Judge:
                 f"matching {cfg.score_pattern!r}: {_snippet(raw)!r}"
             )
         return JudgeAnswer(prompt=messages[-1]["content"], raw=raw, score=score)
+
+    def _back_off(self, status: int, headers: Any, why: str) -> float:
+        """The least wait before the next attempt: the endpoint's ``Retry-After`` (capped);
+        a 429 or 503 also holds the run's whole pool off the endpoint that long (backoff_s
+        when it named no time)."""
+        cfg = self.cfg
+        asked = retry_after(headers.get("retry-after"))
+        wait = min(asked if asked is not None else 0.0, cfg.retry_after_max_s)
+        if status in _OVERLOADED:
+            self._count("throttled", 1)
+            hold = min(asked if asked is not None else cfg.backoff_s, cfg.retry_after_max_s)
+            if self._pool is not None and hold > 0:
+                self._pool.hold(hold, why)
+        return wait
 
     def _post(self, body: dict[str, Any]) -> Any:
         if self._client is None:
@@ -313,7 +352,7 @@ class Judge:
 
     def _count(self, *pairs: Any) -> None:
         """The run's judge figures (``judge:stats``): samples judged, calls made, cache hits,
-        samples given up on."""
+        samples given up on, 429/503 answers."""
         if self.r is None or self.keys is None:
             return
         pipe = self.r.pipeline(transaction=False)
@@ -324,6 +363,7 @@ class Judge:
 
 
 def judge_stats(r: redis.Redis, run: str) -> dict[str, int]:
-    """``{samples, calls, cached, failures}`` of the run's judge so far."""
+    """``{samples, calls, cached, failures, throttled}`` of the run's judge so far (a
+    field not counted yet is absent)."""
     raw = r.hgetall(Keys(run).judge_stats)
     return {k.decode(): int(v) for k, v in raw.items()}

@@ -100,3 +100,21 @@ def test_the_verify_role_may_use_the_judge_pool_and_cache(r, redis_server):
     finally:
         for role in ("verify", "observer"):
             r.acl_deluser(made[role].name)
+
+
+def test_a_hold_stops_every_pool_on_the_keys_until_it_ends(r):
+    """What a 429 with Retry-After does (``CallPool.hold``): no process of the run starts a
+    call until the hold has passed; a shorter hold never cuts a longer one short."""
+    a, b = _pools(r, max_in_flight=5)
+    a.held += "-hold-test"
+    b.held = a.held
+    assert a.hold(0.4, "HTTP 429") == pytest.approx(0.4, abs=0.05)
+    assert a.hold(0.05, "HTTP 429 again") > 0.3  # kept: holds only lengthen
+    assert -400 <= b.try_acquire("other-worker") < 0  # minus the ms left of the hold
+    assert b.in_flight() == 0
+    with b.slot(wait_s=10) as waited:  # sleeps the hold out, then takes a slot
+        assert waited >= 0.3 and a.held_for() == 0
+    with pytest.raises(PoolTimeout, match="held off by the service"):
+        a.hold(5, "HTTP 503")
+        with b.slot(wait_s=0.1):
+            pass

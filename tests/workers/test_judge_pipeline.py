@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -250,6 +251,37 @@ def test_a_refusal_is_a_failure_at_once_and_a_5xx_is_retried(judge, r):
     judge.admin(fail_next=2, status=503)
     _, info = rewards.judge.score(task, traj)
     assert info["calls"] >= 3 and not info["cached"]
+
+
+def test_retry_after_holds_the_whole_run_off_the_endpoint(judge, r):
+    """A 429 with ``Retry-After: 0.5``: neither the told call's retry nor another worker's
+    call (a second judge on the run: another process's pool) reaches the server sooner than
+    0.5 s after it, though ``backoff_s`` alone would retry after 0.01 s. A 503 asking for an
+    hour is obeyed for ``retry_after_max_s`` (1 s) only."""
+    cfg = _config("judge-retry-after", judge.url, retries=2, backoff_s=0.01,
+                  backoff_max_s=0.01, retry_after_max_s=1)  # fmt: skip
+    told, other = (RewardFunctions.of_run(cfg, r).judge for _ in range(2))
+    pool = told._pool
+    judge.admin(reply="Score: 7")  # a grade on every answer: only the 429 is retried
+    try:
+        for status, asked, held in ((429, 0.5, 0.5), (503, 3600, 1.0)):
+            start = len(judge.stats()["log"])
+            judge.admin(fail_next=1, status=status, retry_after=asked)
+            first = ThreadPoolExecutor(1)
+            told_done = first.submit(told.score, *_sample(10 + status))
+            wait_for(pool.held_for, "the pool to be held off the endpoint", 30, every=0.005)
+            _, info = other.score(*_sample(20 + status))  # starts while held
+            assert told_done.result(timeout=30)[1]["calls"] == 2 and info["calls"] == 1
+            first.shutdown()
+            log = judge.stats()["log"][start:]
+            (at, _), later = log[0], log[1:]
+            assert log[0][1] == status and [s for _, s in later] == [200, 200]
+            assert all(t - at >= held for t, _ in later), (status, log)
+            gaps = [round(t - at, 3) for t, _ in later]
+            print(f"\nHTTP {status}, Retry-After {asked}: the next calls came {gaps} s after")
+    finally:
+        judge.admin(reply=None)
+    assert judge_stats(r, cfg.run) == {"calls": 6, "samples": 4, "throttled": 2}
 
 
 def test_one_worker_keeps_several_calls_out_and_scores_from_them(judge, r):
