@@ -9,11 +9,13 @@ digit most of the time and none some of the time: a judge config reads the first
 
 Knobs, ``POST /admin`` with a JSON object: ``fail_next`` (answer the next N chat requests with
 ``status``, 429 by default, and a ``Retry-After: <retry_after>`` header when ``retry_after`` is
-given), ``hang`` (true: chat requests wait until it is false again or their client goes away,
-as vLLM aborts a request whose client disconnected), ``delay_s`` (each chat request waits this
-long first, keeping requests in flight side by side), ``reply`` (answer every chat request with
-this text instead of the model's sample, as a judge swapped behind the same URL would; null:
-the model again), ``reset_max`` (start counting ``max_in_flight`` again). ``GET /stats``:
+given), ``fail_all`` (answer every chat request with this status, and ``retry_after``, until
+it is null again), ``hang`` (true: chat requests wait until it is false again or their client
+goes away, as vLLM aborts a request whose client disconnected), ``delay_s`` (each chat request
+waits this long first, keeping requests in flight side by side), ``reply`` (answer every chat
+request with this text instead of the model's sample, as a judge swapped behind the same URL
+would; null: the model again), ``reset_max`` (start counting ``max_in_flight`` again).
+``GET /stats``:
 ``calls`` (chat requests received), ``statuses`` (answers by HTTP status), ``in_flight`` and
 ``max_in_flight`` (chat requests being handled at once: now, and the most ever seen), ``log``
 (``[arrival, status]`` of the last chat requests, arrival in seconds on the server's clock).
@@ -73,6 +75,7 @@ class JudgeTestServer(OpenAITestServer):
         self.hold_s = delay_s
         self.hang = False
         self.fail: list[tuple[int, str | None]] = []  # (status, Retry-After)
+        self.fail_all: tuple[int, str | None] | None = None
         self.stats: dict[str, Any] = {"calls": 0, "statuses": {}, "in_flight": 0}
         self.stats["max_in_flight"] = 0
         self.stats["log"] = []
@@ -80,10 +83,12 @@ class JudgeTestServer(OpenAITestServer):
 
     def admin(self, body: dict[str, Any]) -> dict[str, Any]:
         with self._count:
+            after = body.get("retry_after")
+            after = None if after is None else str(after)
             if "fail_next" in body:
-                after = body.get("retry_after")
-                failure = (int(body.get("status", 429)), None if after is None else str(after))
-                self.fail += [failure] * int(body["fail_next"])
+                self.fail += [(int(body.get("status", 429)), after)] * int(body["fail_next"])
+            if "fail_all" in body:
+                self.fail_all = None if body["fail_all"] is None else (int(body["fail_all"]), after)
             if "hang" in body:
                 self.hang = bool(body["hang"])
             if "delay_s" in body:
@@ -105,7 +110,7 @@ class JudgeTestServer(OpenAITestServer):
             self.stats["calls"] += 1
             self.stats["in_flight"] += 1
             self.stats["max_in_flight"] = max(self.stats["max_in_flight"], self.stats["in_flight"])
-            status, after = self.fail.pop(0) if self.fail else (0, None)
+            status, after = self.fail.pop(0) if self.fail else self.fail_all or (0, None)
         answer: tuple[int, Any, dict[str, str]] | None = None
         try:
             if status:

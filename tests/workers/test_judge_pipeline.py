@@ -10,9 +10,11 @@
 - A refusal (404) fails at once; a 503 is retried.
 - A judge that hangs: its calls time out, are given up (the server sees its clients go), and
   the sample is a verifier failure; nothing is cached.
+- A 429 or 503 with Retry-After holds every worker's calls off the endpoint that long (capped).
 - The README's judge example, its config as written but for the endpoint.
-- 429 answers and the server SIGKILLed mid-run and started again: every sample is scored from
-  a judge answer or dead-lettered with the judge's failure; none is a 0 made of a failure.
+- A judge answering 429 to everything, answering without a grade, and SIGKILLed mid-run and
+  kept down, each past every retry: those samples are dead-lettered with the judge's reason and
+  their groups dropped, none is a 0 made of a failure; the restarted server grades the rest.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from click.testing import CliRunner
 
@@ -132,8 +135,11 @@ def _config(run: str, url: str, **judge: Any) -> RunConfig:
     )
 
 
-def _rows(path: Path, n: int) -> Path:
-    rows = [{"prompt": f"What is {i} + {i}?", "ground_truth": str(2 * i)} for i in range(n)]
+def _rows(path: Path, n: int, start: int = 0) -> Path:
+    rows = [
+        {"prompt": f"What is {i} + {i}?", "ground_truth": str(2 * i)}
+        for i in range(start, start + n)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -162,6 +168,18 @@ def _check_scored(s: schema.Score, answers: dict[str, str]) -> None:
     expected = re.search(r"Expected: (\S+) Answer:", j["prompt"]).group(1)
     assert exact == (1.0 if answers[s.task_id].strip() == expected else 0.0)
     assert s.reward == pytest.approx(0.5 * j["score"] / 9 + 0.5 * exact)
+
+
+def _tasks_of(p: LocalPipeline) -> list[tuple[bytes, Task]]:
+    return [(eid, schema.TASK.decode(f[b"p"])) for eid, f in xrange_all(p.r, p.keys.tasks)]
+
+
+def _dead_ids(p: LocalPipeline) -> set[str]:
+    return {d.task_id for d in _dead(p)}
+
+
+def _rewarded(p: LocalPipeline) -> set[str]:
+    return {s.task_id for s in _scores(p) if s.reward is not None}
 
 
 def _answers(p: LocalPipeline) -> dict[str, str]:
@@ -342,41 +360,76 @@ def test_the_readme_judge_example(judge, r, redis_url, tmp_path, monkeypatch):
         assert verdict.reward == pytest.approx(0.8 * j["score"] / 10 + 0.2 * 1.0)
 
 
-def test_429_and_a_killed_judge_are_never_a_reward(judge, redis_url, subprocess_env, tmp_path):
-    prompts = 8
-    cfg = _config("judge-chaos", judge.url, retries=8, backoff_s=0.2, backoff_max_s=1.0)
-    base = judge.stats()["statuses"]
-
-    def served(status: str) -> int:
-        return judge.stats()["statuses"].get(status, 0) - base.get(status, 0)
-
-    judge.admin(fail_next=6, status=429, reset_max=True)
+def test_a_judge_failing_past_its_retries_is_a_dead_letter_never_a_reward(
+    judge, redis_url, subprocess_env, tmp_path
+):
+    """Each way a judge fails, past every retry (the judge's 2, then the worker's 1): a 429 on
+    every call, answers with no grade in them, and the server SIGKILLed mid-run and kept down
+    until a sample has run out of retries. Every sample the judge did not grade is
+    dead-lettered with the judge's reason and its group dropped, never scored 0; every other
+    sample is scored from the grade the judge gave it (the restarted server's too); the server
+    never saw more calls at once than the pool's 2, in either of its processes."""
+    cfg = _config("judge-chaos", judge.url, retries=2, backoff_s=0.05, backoff_max_s=0.2)
+    cfg = msgspec.structs.replace(cfg, verify=VerifyConfig(timeout_s=60, retries=1, batch=4))
+    judge.admin(reset_max=True)
     judge.incarnations.clear()
+    phases: dict[str, set[str]] = {}  # phase -> the task ids it pushed
+
     with LocalPipeline(cfg, url=redis_url, directory=tmp_path, worker_env=subprocess_env) as p:
-        _run(p, _rows(tmp_path / "rows.jsonl", prompts), prompts)
+
+        def push(phase: str, prompts: int, dead: int) -> None:
+            """Push the phase's prompts (questions of its own: no answer from the cache); wait
+            until ``dead`` samples of it are dead letters."""
+            rows = _rows(tmp_path / f"{phase}.jsonl", prompts, start=10 * len(phases))
+            _run(p, rows, prompts)
+            tasks = {t.task_id for _, t in _tasks_of(p) if t.prompt_id.startswith(f"{phase}-")}
+            phases[phase] = tasks
+            wait_for(lambda: len({d for d in _dead_ids(p) if d in tasks}) >= dead,
+                     f"{dead} dead letters of {phase}", 60)  # fmt: skip
+
         p.start_workers(rollout=1, verify=WORKERS)
-        wait_for(lambda: served("429") >= 6 and served("200") >= 6, "429s, then answers", 120)
-        seen_429 = served("429")
-        judge.kill()  # mid-run: calls in flight die with it
+        judge.admin(fail_all=429, retry_after=0.05)  # overloaded, for good
+        push("throttled", 1, dead=2)
+        judge.admin(fail_all=None, reply="no grade here")  # answers, never a grade
+        push("ungraded", 1, dead=2)
+        judge.admin(reply=None)
+        base = judge.stats()["statuses"].get("200", 0)
+        push("killed", 4, dead=0)
+        wait_for(lambda: judge.stats()["statuses"].get("200", 0) > base, "a grade", 60)
+        judge.admin(hang=True)  # the calls from here on are still out at the kill
+        judge.kill()  # mid-run: calls in flight die with it, and it stays down a while
+        wait_for(lambda: _dead_ids(p) & phases["killed"], "a sample given up while down", 60)
         judge.start(delay_s=0.15)
-        p.wait_groups(prompts, timeout=120)
+        push("recovered", 1, dead=0)  # graded by the restarted server
+        p.wait_groups(7, timeout=120)
+        samples = {t for tasks in phases.values() for t in tasks}
+        wait_for(lambda: len(_dead_ids(p)) + len(_rewarded(p)) == len(samples), "every sample")
         scores, dead, answers = _scores(p), _dead(p), _answers(p)
+        groups = {schema.GROUP.decode(f[b"p"]).prompt_id for _, f in xrange_all(p.r, p.keys.groups)}
+        dropped = p.stat("groups_dropped")
         judged = judge_stats(p.r, cfg.run)
     judge.incarnations.append(judge.stats())
-    assert seen_429 == 6
-    rewarded = [s for s in scores if s.reward is not None]
-    for s in rewarded:
-        _check_scored(s, answers)
-    failed = [s for s in scores if s.reward is None]
-    assert all("judge" in s.failure for s in failed)
-    assert all(d.stage == "verify" and "judge" in d.reason for d in dead)
-    assert len({s.task_id for s in rewarded}) + len(dead) == 2 * prompts
+    reasons = {d.task_id: d.reason for d in dead}
+    assert all(d.stage == "verify" for d in dead)
+    assert all("judge answered HTTP 429" in reasons[t] for t in phases["throttled"])
+    assert all("judge answer holds no score" in reasons[t] for t in phases["ungraded"])
+    downed = [reasons[t] for t in phases["killed"] if t in reasons]
+    assert downed and all("judge connection error" in why for why in downed), downed
+    # a dead sample has no reward anywhere, its group was dropped; the rest were graded
+    for s in scores:
+        if s.task_id in reasons:
+            assert s.reward is None and "judge" in s.failure
+        else:
+            _check_scored(s, answers)
+    dead_prompts = {t.rsplit(":", 1)[0] for t in reasons}
+    assert dropped == len(dead_prompts) and not groups & dead_prompts
+    assert len(groups) == 7 - dropped and all(t not in reasons for t in phases["recovered"])
     assert max(st["max_in_flight"] for st in judge.incarnations) <= LIMIT
-    assert judge.incarnations[-1]["calls"] > 0  # the kill came before the run's end
+    assert judge.incarnations[-1]["calls"] > 0
     print(
-        f"\n429s served {seen_429}; scored {len(rewarded)}, dead-lettered {len(dead)}; "
-        f"judge figures {judged}; max in flight per server process "
-        f"{[st['max_in_flight'] for st in judge.incarnations]}; in flight at the kill "
-        f"{judge.incarnations[0]['in_flight']}, calls per server process "
-        f"{[st['calls'] for st in judge.incarnations]}"
+        f"\ndead-lettered {len(reasons)} of {len(samples)} samples (429: "
+        f"{len(phases['throttled'])}, no grade: {len(phases['ungraded'])}, server down: "
+        f"{len(downed)}), groups dropped {dropped}, kept {len(groups)}; judge figures {judged}; "
+        f"max in flight per server process {[st['max_in_flight'] for st in judge.incarnations]}, "
+        f"calls per server process {[st['calls'] for st in judge.incarnations]}"
     )
