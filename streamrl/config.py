@@ -173,6 +173,12 @@ class TripwireConfig(_Cfg, kw_only=True):
     canaries: AtLeastOne = d.TRIPWIRE_CANARIES
     canary_shift: Positive = d.TRIPWIRE_CANARY_SHIFT
     canary_reward: float | None = None
+    # a judge combined with programmatic checks (the verifier's "judge" component and the
+    # others, or those named in `disagree_with`): at least `disagree` of the latest judged
+    # samples have the judge further than `disagree_by` from a check (0: off)
+    disagree: Fraction = d.TRIPWIRE_DISAGREE
+    disagree_by: Fraction = d.TRIPWIRE_DISAGREE_BY
+    disagree_with: list[str] = msgspec.field(default_factory=list)
 
 
 class EnvEntry(_Cfg, kw_only=True):

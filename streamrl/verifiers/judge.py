@@ -8,7 +8,9 @@ One call, in order:
    each of the task's data columns (``{answer}``, ...);
 2. the cache, ``judge:cache:<version>:<digest of the filled messages>`` in the run's Redis: a
    redelivered or re-verified sample whose judge input has been answered before is not sent
-   again (only parsed answers are kept, for ``cache_ttl_s``);
+   again (only parsed answers are kept, for ``cache_ttl_s``); a canary prompt's sample (the
+   tripwires' fixed prompts) is always asked afresh, so that a judge that drifts behind the
+   same version moves the canaries' reward;
 3. a slot of the endpoint's pool (``streamrl.bus.limiter``): ``max_in_flight`` calls and
    ``max_per_second`` starts across *every* verifier worker of the run;
 4. ``POST /v1/chat/completions``; the first group of ``score_pattern``'s first match in the
@@ -50,7 +52,7 @@ from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.bus.limiter import CallPool, PoolTimeout
 from streamrl.config import JUDGE, JudgeConfig
-from streamrl.defaults import JUDGE_LEASE_SLACK_S
+from streamrl.defaults import CANARY_PREFIX, JUDGE_LEASE_SLACK_S
 from streamrl.http import Retryable, RetryPolicy, httpx_api, server_root
 from streamrl.schema import (
     FunctionCall,
@@ -147,6 +149,11 @@ def config_version(cfg: JudgeConfig) -> str:
     return f"{cfg.version}-{hashlib.sha256(repr(what).encode()).hexdigest()[:10]}"
 
 
+def _canary(task: Task) -> bool:
+    """A canary prompt's sample (``producer.mixture``): judged afresh every time."""
+    return task.prompt_id.startswith(CANARY_PREFIX)
+
+
 def _digest(messages: list[dict[str, str]]) -> str:
     return hashlib.sha256(json.dumps(messages).encode()).hexdigest()
 
@@ -193,7 +200,9 @@ class Judge:
         ready = self._ready.pop(digest, None)  # asked for already by ``prefetch``
         if isinstance(ready, BaseException):
             raise ready  # the sample's first attempt; the verifier worker makes the next
-        answer, calls, cached = ready if ready is not None else self._answer(messages, digest)
+        if ready is None:
+            ready = self._answer(messages, digest, fresh=_canary(task))
+        answer, calls, cached = ready
         self._count("samples", 1, "cached", int(cached))
         cfg = self.cfg
         reward = (answer.score - cfg.min_score) / (cfg.max_score - cfg.min_score)
@@ -219,16 +228,20 @@ class Judge:
         the sample's first attempt."""
         self._ready.clear()
         jobs: dict[str, list[dict[str, str]]] = {}
+        fresh: set[str] = set()
         for task, trajectory in samples:
             try:
                 messages = self.messages(task, trajectory)
             except ValueError:
                 continue  # the sample's own attempt says why
-            jobs.setdefault(_digest(messages), messages)
+            digest = _digest(messages)
+            jobs.setdefault(digest, messages)
+            if _canary(task):
+                fresh.add(digest)
         if len(jobs) < 2:
             return
         with ThreadPoolExecutor(max_workers=min(self.cfg.max_in_flight, len(jobs))) as pool:
-            futures = {pool.submit(self._answer, m, d): d for d, m in jobs.items()}
+            futures = {pool.submit(self._answer, m, d, d in fresh): d for d, m in jobs.items()}
             pending = set(futures)
             while pending:
                 _, pending = wait(pending, timeout=every_s)
@@ -237,10 +250,12 @@ class Judge:
             error = future.exception()
             self._ready[digest] = error if error is not None else future.result()
 
-    def _answer(self, messages: list[dict[str, str]], digest: str) -> tuple[JudgeAnswer, int, bool]:
-        """The answer (from the cache, or asked for with retries), the calls it took, and
-        whether it came from the cache."""
-        cached = self._cached(digest)
+    def _answer(
+        self, messages: list[dict[str, str]], digest: str, fresh: bool = False
+    ) -> tuple[JudgeAnswer, int, bool]:
+        """The answer (from the cache unless ``fresh``, or asked for with retries), the calls
+        it took, and whether it came from the cache."""
+        cached = None if fresh else self._cached(digest)
         if cached is not None:
             return cached, 0, True
         calls = 0

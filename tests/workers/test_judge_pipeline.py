@@ -38,12 +38,23 @@ from click.testing import CliRunner
 from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.cli import main
-from streamrl.config import JudgeConfig, PolicyConfig, RunConfig, StreamConfig, VerifyConfig
+from streamrl.config import (
+    EnvEntry,
+    JudgeConfig,
+    PolicyConfig,
+    RunConfig,
+    StreamConfig,
+    TripwireConfig,
+    VerifyConfig,
+)
 from streamrl.envs import make_env
 from streamrl.local.pipeline import LocalPipeline, xrange_all
 from streamrl.ops.drift import drift_report
+from streamrl.producer import mixture
 from streamrl.producer.datasets import open_rows
+from streamrl.producer.mixture import CANARY, MixedProducer
 from streamrl.producer.produce import Producer
+from streamrl.producer.tripwires import Tripwires
 from streamrl.schema import Message, Task, Trajectory
 from streamrl.verifiers.judge import JudgeUnavailable, judge_stats
 from streamrl.verifiers.reward_functions import RewardFunctions
@@ -57,6 +68,8 @@ LIMIT = 2
 WORKERS = 3
 CHECK = "examples.trl_rewards:exact_answer"
 RUBRIC = "Question: {prompt} Expected: {ground_truth} Answer: {response} Score:"
+SHORTCUT = "tests.support.envs:ShortcutCounter"
+COUNTER_CHECK = "tests.support.trl_rewards:counter_answer"
 
 
 class JudgeProcess:
@@ -433,3 +446,98 @@ def test_a_judge_failing_past_its_retries_is_a_dead_letter_never_a_reward(
         f"max in flight per server process {[st['max_in_flight'] for st in judge.incarnations]}, "
         f"calls per server process {[st['calls'] for st in judge.incarnations]}"
     )
+
+
+def test_each_tripwire_fires_from_real_judged_samples_and_pauses_its_env(
+    judge, redis_url, subprocess_env, run_name, tmp_path
+):
+    """Three environments of one mixture, each built to trip one wire, through real rollout
+    and verifier workers and the real judge process; the producer's ``Tripwires`` (what
+    ``streamrl produce`` runs before every batch) read the groups the verifiers assembled:
+
+    - ``shortcut`` (``ShortcutCounter``): from prompt 24 on the prompt leaks the answer and
+      the agent stops using the tool: reward rises from 0.5 to 1 while tool calls fall to 0;
+    - ``judged`` (the judge weighted with a programmatic check, ``counter_answer``): the
+      judge grades 9 of 9 as the check does, then 0 while the check still says right;
+    - ``canary`` (the judge alone, half its prompts canaries): the same canary answers graded
+      9, then 0 by a judge swapped behind the same URL and version (canaries skip the cache).
+
+    Nothing fires on the first 24 prompts; on the next 24 each wire fires on its own
+    environment and pauses it, with its one-line reason in ``streamrl status``."""
+    wires = TripwireConfig(window=4, pause=True)
+    cfg = RunConfig(
+        run=run_name,
+        group_size=2,
+        policy=PolicyConfig(wrong_rate=0.0),
+        envs=[
+            EnvEntry(name="shortcut", env=SHORTCUT, env_options={"leak_from": 24}, tripwires=wires),
+            EnvEntry(
+                name="judged",
+                env="counter",
+                env_options={"steps": 1},
+                verifier=["judge", COUNTER_CHECK],
+                reward_weights=[0.5, 0.5],
+                tripwires=wires,
+            ),
+            EnvEntry(
+                name="canary",
+                env="counter",
+                env_options={"steps": 0},
+                verifier=["judge"],
+                tripwires=TripwireConfig(window=4, pause=True, canary_every=2, canaries=2),
+            ),
+        ],
+        judge=JudgeConfig(
+            base_url=judge.url + "/v1",
+            model=SERVED,
+            score_pattern=r"(\d)",
+            prompt="Task: {prompt} Answer: {response} Score:",
+            max_score=9,
+            max_in_flight=LIMIT,
+            retries=2,
+            backoff_s=0.05,
+        ),
+        verify=VerifyConfig(timeout_s=60, retries=1, batch=8),
+    )
+    judge.admin(reply="Score: 9", delay_s=0)
+    try:
+        with LocalPipeline(cfg, url=redis_url, directory=tmp_path, worker_env=subprocess_env) as p:
+            mixture.ensure(p.r, run_name, cfg.mixture())
+            producer = MixedProducer(Producer(p.r, run_name, batch_samples=16), run_name, 2)
+            tripwires = Tripwires(p.r, run_name)
+            p.start_workers(rollout=1, verify=2)
+            producer.run_until(24)
+            p.wait_groups(24, timeout=120)
+            quiet = tripwires.check()
+            judge.admin(reply="Score: 0")  # the judge changes its mind, same URL and version
+            producer.run_until(48)
+            p.wait_groups(48, timeout=120)
+            fired = tripwires.check()
+            held = mixture.paused(p.r, run_name)
+            scores = _scores(p)
+            shown = CliRunner().invoke(main, ["--redis", redis_url, "--run", run_name, "status"])
+    finally:
+        judge.admin(reply=None, delay_s=0.15)
+    assert quiet == {} and all(n >= 8 for n in producer.drawn.values()), producer.drawn
+    assert fired["shortcut"].startswith(
+        "tripwire collapse: reward rose +0.50 while tool calls fell from 2.0 to 0.0"
+    ), fired
+    assert fired["judged"].startswith(
+        "tripwire disagree: the judge and counter_answer disagree (by more than 0.5) on 4 of "
+        "the latest 4 samples (judge mean 0.00, counter_answer mean 1.00)"
+    ), fired
+    assert fired["canary"].startswith(
+        "tripwire canary: canary prompts' reward moved -1.00 from 1.00"
+    ), fired
+    assert held == fired  # each paused with its reason
+    text = " ".join(shown.output.split())
+    for name, line in fired.items():
+        assert f"PAUSED {name}: {line[:40]}" in text, shown.output
+    # every canary sample was judged afresh, the same answer to the same canary included
+    canaries = [s for s in scores if s.prompt_id.startswith(CANARY)]
+    assert 0 < len(canaries) < 2 * producer.drawn["canary"]  # about one prompt in 2
+    assert not any(s.info["judge"]["cached"] for s in canaries)
+    asked = [s.info["judge"]["prompt"] for s in canaries]
+    assert len(set(asked)) < len(asked)
+    print(f"\nprompts drawn {producer.drawn}; canary samples {len(canaries)}; fired:")
+    print("\n".join(f"{name}: {line}" for name, line in fired.items()))
