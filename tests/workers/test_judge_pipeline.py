@@ -15,6 +15,8 @@
 - A judge answering 429 to everything, answering without a grade, and SIGKILLed mid-run and
   kept down, each past every retry: those samples are dead-lettered with the judge's reason and
   their groups dropped, none is a 0 made of a failure; the restarted server grades the rest.
+- The collapse, disagree and canary tripwires, each from real samples of real workers.
+- SmolLM2-135M-Instruct behind the suite's vLLM server as the judge (when vLLM installs).
 """
 
 from __future__ import annotations
@@ -541,3 +543,43 @@ def test_each_tripwire_fires_from_real_judged_samples_and_pauses_its_env(
     assert len(set(asked)) < len(asked)
     print(f"\nprompts drawn {producer.drawn}; canary samples {len(canaries)}; fired:")
     print("\n".join(f"{name}: {line}" for name, line in fired.items()))
+
+
+def test_a_real_instruct_model_judges_through_vllm(vllm, r):
+    """SmolLM2-135M-Instruct behind the suite's vLLM server (the ``vllm`` fixture; skipped
+    where vLLM cannot install) as the judge, through the run's pool and cache: each sample is
+    graded with the digit the model's own reply holds, or is a failure saying why; the second
+    sample of each judge input is answered from the cache, with the first one's grade."""
+    rubric = (
+        "Question: {prompt}\nAnswer: {response}\nGrade the answer from 0 (wrong) to 9 (right). "
+        "Reply with one digit only."
+    )
+    judge_cfg = JudgeConfig(base_url=vllm.url + "/v1", model=vllm.served_name, prompt=rubric,
+                            score_pattern=r"(\d)", max_score=9, max_tokens=8, temperature=0.0,
+                            retries=1, backoff_s=0.05, max_in_flight=2)  # fmt: skip
+    cfg = RunConfig(run="judge-vllm", env="chat", verifier=["judge"], judge=judge_cfg)
+    grader = RewardFunctions.of_run(cfg, r).judge
+    samples = [_sample(i) for i in range(4)] * 2  # 8 samples, 4 judge inputs
+    grader.prefetch(samples, lambda: None, every_s=1.0)
+    results: list[dict[str, Any] | str] = []
+    for task, traj in samples:
+        try:
+            results.append(grader.score(task, traj)[1])
+        except JudgeUnavailable as e:
+            results.append(str(e))
+    graded = [x for x in results if isinstance(x, dict)]
+    failed = [x for x in results if isinstance(x, str)]
+    assert graded and all("judge answer holds no score" in why for why in failed), failed
+    for info in graded:
+        assert info["score"] == float(re.search(r"\d", info["raw"]).group())
+    for first, again in zip(results[:4], results[4:], strict=True):
+        if isinstance(first, dict):
+            assert isinstance(again, dict) and again["cached"] and again["calls"] == 0
+            assert again["score"] == first["score"]
+    figures = judge_stats(r, cfg.run)
+    assert figures["samples"] == len(graded)
+    assert figures.get("cached", 0) == sum(info["cached"] for info in graded)
+    print(
+        f"\nvLLM judge: {len(graded)} graded {[i['score'] for i in graded]}, {len(failed)} "
+        f"failed; raw {[i['raw'] for i in graded[:4]]}; figures {figures}"
+    )
