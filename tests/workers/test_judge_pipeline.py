@@ -403,11 +403,11 @@ def test_a_judge_failing_past_its_retries_is_a_dead_letter_never_a_reward(
                      f"{dead} dead letters of {phase}", 60)  # fmt: skip
 
         p.start_workers(rollout=1, verify=WORKERS)
-        judge.admin(fail_all=429, retry_after=0.05)  # overloaded, for good
+        judge.admin(fail_all=429, retry_after=0.05, delay_s=0)  # overloaded, for good
         push("throttled", 1, dead=2)
         judge.admin(fail_all=None, reply="no grade here")  # answers, never a grade
         push("ungraded", 1, dead=2)
-        judge.admin(reply=None)
+        judge.admin(reply=None, delay_s=0.15)  # grades stay in flight a while
         base = judge.stats()["statuses"].get("200", 0)
         push("killed", 4, dead=0)
         wait_for(lambda: judge.stats()["statuses"].get("200", 0) > base, "a grade", 60)
