@@ -143,8 +143,12 @@ class Keys:
         worker of the run: a sorted set of calls in flight (member: call id, score: when its
         lease ends), one of recent call starts (score: when), and the endpoint's hold (a
         string whose TTL is the back-off it asked for), all under the run's tag."""
-        return tuple(self.run_key("judge", "pool", endpoint, part)  # type: ignore[return-value]
-                     for part in ("busy", "starts", "hold"))  # fmt: skip
+        pool = ("judge", "pool", endpoint)
+        return (
+            self.run_key(*pool, "busy"),
+            self.run_key(*pool, "starts"),
+            self.run_key(*pool, "hold"),
+        )
 
     def judge_cache(self, version: str, digest: str) -> str:
         """A judge's answer to one trajectory, kept so that it is paid for once."""
