@@ -52,6 +52,7 @@ from streamrl.config import (
 from streamrl.envs import make_env
 from streamrl.local.pipeline import LocalPipeline, xrange_all
 from streamrl.ops.drift import drift_report
+from streamrl.ops.status import collect
 from streamrl.producer import mixture
 from streamrl.producer.datasets import open_rows
 from streamrl.producer.mixture import CANARY, MixedProducer
@@ -218,6 +219,7 @@ def test_judge_scores_every_sample_within_the_pool_and_pays_once(
         p.wait_groups(prompts, timeout=120)
         scores, dead, answers = _scores(p), _dead(p), _answers(p)
         judged = judge_stats(p.r, cfg.run)
+        shown = collect(p.r, cfg.run)["judge"]  # streamrl status
         calls = judge.stats()["calls"] - before
         again = drift_report(p.r, cfg.run)  # re-verify every stored trajectory
         after = judge.stats()
@@ -230,7 +232,7 @@ def test_judge_scores_every_sample_within_the_pool_and_pays_once(
     # answered (the same answer to the same question) was not sent again, an unparseable
     # answer was asked again
     distinct = len({s.info["judge"]["prompt"] for s in scores})
-    assert judged["samples"] == 2 * prompts and judged["calls"] == calls
+    assert judged["samples"] == 2 * prompts and judged["calls"] == calls and shown == judged
     assert judged.get("cached", 0) == 2 * prompts - distinct and calls >= distinct
     assert after["max_in_flight"] <= LIMIT  # 3 workers, one pool of 2
     # the cache: re-verifying 16 samples made no call and changed no reward
@@ -517,6 +519,7 @@ def test_each_tripwire_fires_from_real_judged_samples_and_pauses_its_env(
             fired = tripwires.check()
             held = mixture.paused(p.r, run_name)
             scores = _scores(p)
+            figures = judge_stats(p.r, run_name)
             shown = CliRunner().invoke(main, ["--redis", redis_url, "--run", run_name, "status"])
     finally:
         judge.admin(reply=None, delay_s=0.15)
@@ -533,6 +536,9 @@ def test_each_tripwire_fires_from_real_judged_samples_and_pauses_its_env(
     ), fired
     assert held == fired  # each paused with its reason
     text = " ".join(shown.output.split())
+    calls = f"judge calls {figures['calls']} for {figures['samples']} samples"
+    judged = [s for s in scores if "judge" in s.components]  # shortcut's are not
+    assert calls in text and figures["samples"] == len(judged), shown.output
     for name, line in fired.items():
         assert f"PAUSED {name}: {line[:40]}" in text, shown.output
     # every canary sample was judged afresh, the same answer to the same canary included
