@@ -289,9 +289,9 @@ def test_a_refusal_is_a_failure_at_once_and_a_5xx_is_retried(judge, r):
 
 
 def test_retry_after_holds_the_whole_run_off_the_endpoint(judge, r):
-    """A 429 with ``Retry-After: 0.5``: neither the told call's retry nor another worker's
+    """A 429 with ``Retry-After: 1``: neither the told call's retry nor another worker's
     call (a second judge on the run: another process's pool) reaches the server sooner than
-    0.5 s after it, though ``backoff_s`` alone would retry after 0.01 s. A 503 asking for an
+    1 s after it, though ``backoff_s`` alone would retry after 0.01 s. A 503 asking for an
     hour is obeyed for ``retry_after_max_s`` (1 s) only."""
     cfg = _config("judge-retry-after", judge.url, retries=2, backoff_s=0.01,
                   backoff_max_s=0.01, retry_after_max_s=1)  # fmt: skip
@@ -299,7 +299,7 @@ def test_retry_after_holds_the_whole_run_off_the_endpoint(judge, r):
     pool = told._pool
     judge.admin(reply="Score: 7")  # a grade on every answer: only the 429 is retried
     try:
-        for status, asked, held in ((429, 0.5, 0.5), (503, 3600, 1.0)):
+        for status, asked, held in ((429, 1, 1.0), (503, 3600, 1.0)):
             start = len(judge.stats()["log"])
             judge.admin(fail_next=1, status=status, retry_after=asked)
             first = ThreadPoolExecutor(1)
