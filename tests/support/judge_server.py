@@ -11,7 +11,8 @@ Knobs, ``POST /admin`` with a JSON object: ``fail_next`` (answer the next N chat
 ``status``, 429 by default, and a ``Retry-After: <retry_after>`` header when ``retry_after`` is
 given), ``fail_all`` (answer every chat request with this status, and ``retry_after``, until
 it is null again), ``hang`` (true: chat requests wait until it is false again or their client
-goes away, as vLLM aborts a request whose client disconnected), ``delay_s`` (each chat request
+goes away, as vLLM aborts a request whose client disconnected), ``hang_after`` (N: answer the
+next N chat requests, then hang every later one until its client goes), ``delay_s`` (each request
 waits this long first, keeping requests in flight side by side), ``reply`` (answer every chat
 request with this text instead of the model's sample, as a judge swapped behind the same URL
 would; null: the model again), ``reset_max`` (start counting ``max_in_flight`` again).
@@ -74,6 +75,7 @@ class JudgeTestServer(OpenAITestServer):
         super().__init__(model_dir, served_model_name=SERVED, port=port)
         self.hold_s = delay_s
         self.hang = False
+        self.hang_after: int | None = None
         self.fail: list[tuple[int, str | None]] = []  # (status, Retry-After)
         self.fail_all: tuple[int, str | None] | None = None
         self.stats: dict[str, Any] = {"calls": 0, "statuses": {}, "in_flight": 0}
@@ -91,6 +93,8 @@ class JudgeTestServer(OpenAITestServer):
                 self.fail_all = None if body["fail_all"] is None else (int(body["fail_all"]), after)
             if "hang" in body:
                 self.hang = bool(body["hang"])
+            if "hang_after" in body:
+                self.hang_after = body["hang_after"]
             if "delay_s" in body:
                 self.hold_s = float(body["delay_s"])
             if "reply" in body:
@@ -111,6 +115,9 @@ class JudgeTestServer(OpenAITestServer):
             self.stats["in_flight"] += 1
             self.stats["max_in_flight"] = max(self.stats["max_in_flight"], self.stats["in_flight"])
             status, after = self.fail.pop(0) if self.fail else self.fail_all or (0, None)
+            hang = self.hang_after == 0
+            if self.hang_after:
+                self.hang_after -= 1
         answer: tuple[int, Any, dict[str, str]] | None = None
         try:
             if status:
@@ -118,7 +125,7 @@ class JudgeTestServer(OpenAITestServer):
                 answer = status, _error(status, "injected failure"), headers
                 return answer
             until = time.monotonic() + self.hold_s
-            while self.hang or time.monotonic() < until:
+            while hang or self.hang or time.monotonic() < until:
                 if _client_gone(conn):
                     return None
             answer = (*self.chat(body), {})

@@ -381,11 +381,12 @@ def test_a_judge_failing_past_its_retries_is_a_dead_letter_never_a_reward(
     judge, redis_url, subprocess_env, tmp_path
 ):
     """Each way a judge fails, past every retry (the judge's 2, then the worker's 1): a 429 on
-    every call, answers with no grade in them, and the server SIGKILLed mid-run and kept down
-    until a sample has run out of retries. Every sample the judge did not grade is
-    dead-lettered with the judge's reason and its group dropped, never scored 0; every other
-    sample is scored from the grade the judge gave it (the restarted server's too); the server
-    never saw more calls at once than the pool's 2, in either of its processes."""
+    every call, answers with no grade in them, and the server SIGKILLed mid-run (after 2
+    grades, with calls hanging in it) and kept down until a sample has run out of retries.
+    Every sample the judge did not grade is dead-lettered with the judge's reason and its group
+    dropped, never scored 0; every other sample is scored from the grade the judge gave it (the
+    restarted server's too); the server never saw more calls at once than the pool's 2, in
+    either of its processes."""
     cfg = _config("judge-chaos", judge.url, retries=2, backoff_s=0.05, backoff_max_s=0.2)
     cfg = msgspec.structs.replace(cfg, verify=VerifyConfig(timeout_s=60, retries=1, batch=4))
     judge.admin(reset_max=True)
@@ -409,11 +410,15 @@ def test_a_judge_failing_past_its_retries_is_a_dead_letter_never_a_reward(
         push("throttled", 1, dead=2)
         judge.admin(fail_all=None, reply="no grade here")  # answers, never a grade
         push("ungraded", 1, dead=2)
-        judge.admin(reply=None, delay_s=0.15)  # grades stay in flight a while
+        judge.admin(reply=None, hang_after=2)  # 2 grades, then every call hangs
         base = judge.stats()["statuses"].get("200", 0)
-        push("killed", 4, dead=0)
-        wait_for(lambda: judge.stats()["statuses"].get("200", 0) > base, "a grade", 60)
-        judge.admin(hang=True)  # the calls from here on are still out at the kill
+        push("killed", 4, dead=0)  # 4 questions: at least 4 calls
+
+        def hung() -> bool:
+            st = judge.stats()
+            return st["statuses"].get("200", 0) - base == 2 and st["in_flight"] > 0
+
+        wait_for(hung, "2 grades and a call hanging", 60)
         judge.kill()  # mid-run: calls in flight die with it, and it stays down a while
         wait_for(lambda: _dead_ids(p) & phases["killed"], "a sample given up while down", 60)
         judge.start(delay_s=0.15)
@@ -448,7 +453,8 @@ def test_a_judge_failing_past_its_retries_is_a_dead_letter_never_a_reward(
         f"{len(phases['throttled'])}, no grade: {len(phases['ungraded'])}, server down: "
         f"{len(downed)}), groups dropped {dropped}, kept {len(groups)}; judge figures {judged}; "
         f"max in flight per server process {[st['max_in_flight'] for st in judge.incarnations]}, "
-        f"calls per server process {[st['calls'] for st in judge.incarnations]}"
+        f"calls per server process {[st['calls'] for st in judge.incarnations]}, in flight "
+        f"at the kill {judge.incarnations[0]['in_flight']}"
     )
 
 
