@@ -36,6 +36,8 @@ from typing import Any
 import msgspec
 import pytest
 from click.testing import CliRunner
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from streamrl import schema
 from streamrl.bus.keys import Keys
@@ -52,6 +54,7 @@ from streamrl.config import (
 from streamrl.envs import make_env
 from streamrl.local.pipeline import LocalPipeline, xrange_all
 from streamrl.ops.drift import drift_report
+from streamrl.ops.metrics import _Collector
 from streamrl.ops.status import collect
 from streamrl.producer import mixture
 from streamrl.producer.datasets import open_rows
@@ -220,6 +223,14 @@ def test_judge_scores_every_sample_within_the_pool_and_pays_once(
         scores, dead, answers = _scores(p), _dead(p), _answers(p)
         judged = judge_stats(p.r, cfg.run)
         shown = collect(p.r, cfg.run)["judge"]  # streamrl status
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Collector(p.r, lambda: [cfg.run]))  # streamrl metrics
+        scraped = {
+            s.name: s.value
+            for fam in text_string_to_metric_families(generate_latest(registry).decode())
+            for s in fam.samples
+            if s.name.startswith("streamrl_judge_")
+        }
         calls = judge.stats()["calls"] - before
         again = drift_report(p.r, cfg.run)  # re-verify every stored trajectory
         after = judge.stats()
@@ -233,6 +244,9 @@ def test_judge_scores_every_sample_within_the_pool_and_pays_once(
     # answer was asked again
     distinct = len({s.info["judge"]["prompt"] for s in scores})
     assert judged["samples"] == 2 * prompts and judged["calls"] == calls and shown == judged
+    assert scraped["streamrl_judge_calls_total"] == calls
+    assert scraped["streamrl_judge_samples_total"] == 2 * prompts
+    assert scraped["streamrl_judge_cache_hits_total"] == judged.get("cached", 0)
     assert judged.get("cached", 0) == 2 * prompts - distinct and calls >= distinct
     assert after["max_in_flight"] <= LIMIT  # 3 workers, one pool of 2
     # the cache: re-verifying 16 samples made no call and changed no reward
