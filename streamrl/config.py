@@ -91,6 +91,9 @@ class JudgeConfig(_Cfg, kw_only=True):
     retries: Annotated[int, msgspec.Meta(ge=0)] = d.JUDGE_RETRIES
     backoff_s: NonNegative = d.JUDGE_BACKOFF_S
     backoff_max_s: NonNegative = d.JUDGE_BACKOFF_MAX_S
+    # a 429 or 503 holds every call of the run off the endpoint for its Retry-After (backoff_s
+    # without one), at most this long; the told call's next attempt waits as long
+    retry_after_max_s: NonNegative = d.JUDGE_RETRY_AFTER_MAX_S
     cache_ttl_s: Annotated[int, msgspec.Meta(ge=0)] = d.JUDGE_CACHE_TTL_S  # 0: no cache
     api_key_env: str = "OPENAI_API_KEY"  # the variable holding the key, never the key
 
@@ -170,6 +173,12 @@ class TripwireConfig(_Cfg, kw_only=True):
     canaries: AtLeastOne = d.TRIPWIRE_CANARIES
     canary_shift: Positive = d.TRIPWIRE_CANARY_SHIFT
     canary_reward: float | None = None
+    # a judge combined with programmatic checks (the verifier's "judge" component and the
+    # others, or those named in `disagree_with`): at least `disagree` of the latest judged
+    # samples have the judge further than `disagree_by` from a check (0: off)
+    disagree: Fraction = d.TRIPWIRE_DISAGREE
+    disagree_by: Fraction = d.TRIPWIRE_DISAGREE_BY
+    disagree_with: list[str] = msgspec.field(default_factory=list)
 
 
 class EnvEntry(_Cfg, kw_only=True):

@@ -75,6 +75,7 @@ JUDGE_TIMEOUT_S = 30.0
 JUDGE_RETRIES = 3
 JUDGE_BACKOFF_S = 0.5
 JUDGE_BACKOFF_MAX_S = 8.0
+JUDGE_RETRY_AFTER_MAX_S = 30.0  # the longest Retry-After a judge endpoint is obeyed for
 JUDGE_MAX_TOKENS = 16
 JUDGE_CACHE_TTL_S = 7 * 24 * 3600
 # a pool slot is a lease: held past the call's timeout by this much, it frees itself (a worker
@@ -207,4 +208,9 @@ TRIPWIRE_RESTATE = 0.5
 TRIPWIRE_CANARIES = 4
 TRIPWIRE_CANARY_SHIFT = 0.3
 TRIPWIRE_RESTATE_MIN_WORDS = 4  # a prompt shorter than this cannot be told restated
+TRIPWIRE_DISAGREE = 0.5  # share of the latest judged samples on which judge and check disagree
+TRIPWIRE_DISAGREE_BY = 0.5  # a judge and a check further apart than this disagree
+# the prompt id prefix of canary prompts (the judge never caches them); "~" is in no
+# environment name, so no other prompt id starts with it
+CANARY_PREFIX = "canary~"
 MIX_POLL_S = 0.5  # a producer with every environment paused looks again this often

@@ -4,10 +4,11 @@ openai backend, the nemo-gym environment and the verifier worker share.
 Retries are tenacity's (``Retrying`` / ``AsyncRetrying`` built from one ``RetryPolicy``), so
 a sync loop and its async twin cannot drift apart: ``tries`` attempts; before attempt n + 1 a
 sleep of ``min(backoff_max_s, backoff_s * 2 ** (n - 1))`` times a factor drawn from [0.5, 1)
-(jitter that spreads clients out without ever shrinking a wait to nothing). An attempt asks
-for another by raising ``Retryable`` (or, with ``retry_on``, any error of the listed types);
-anything else ends the loop at once, unchanged. When the tries run out, ``give_up`` turns the
-last attempt's error into the one the caller raises.
+(jitter that spreads clients out without ever shrinking a wait to nothing), or longer where the
+failed attempt's ``Retryable`` names a wait of its own (``after_s``: a server's
+``Retry-After``). An attempt asks for another by raising ``Retryable`` (or, with ``retry_on``,
+any error of the listed types); anything else ends the loop at once, unchanged. When the
+tries run out, ``give_up`` turns the last attempt's error into the one the caller raises.
 """
 
 from __future__ import annotations
@@ -52,7 +53,12 @@ def server_root(base_url: str) -> str:
 
 class Retryable(Exception):
     """Raised by an attempt to ask for another; its message says why (the last one is what
-    ``give_up`` reports)."""
+    ``give_up`` reports). ``after_s``: wait at least this long before the next attempt (what
+    the server asked for with ``Retry-After``)."""
+
+    def __init__(self, message: str, after_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.after_s = after_s
 
 
 @dataclass(frozen=True)
@@ -82,7 +88,7 @@ class RetryPolicy:
         except self.retry_on as e:
             first = e
         self._first_failed(first, give_up, on_failure)
-        time.sleep(self.wait_before(2))
+        time.sleep(self.wait_before(2, first))
         return tenacity.Retrying(**self._tenacity(give_up, on_failure))(attempt)
 
     async def acall(
@@ -97,14 +103,15 @@ class RetryPolicy:
         except self.retry_on as e:
             first = e
         self._first_failed(first, give_up, on_failure)
-        await asyncio.sleep(self.wait_before(2))
+        await asyncio.sleep(self.wait_before(2, first))
         return await tenacity.AsyncRetrying(**self._tenacity(give_up, on_failure))(attempt)
 
-    def wait_before(self, n: int) -> float:
+    def wait_before(self, n: int, failed: BaseException | None = None) -> float:
         """Seconds to sleep before attempt ``n`` (n >= 2): capped exponential backoff times a
-        factor from [0.5, 1), jitter that spreads clients out without shrinking a wait to 0."""
+        factor from [0.5, 1), jitter that spreads clients out without shrinking a wait to 0;
+        at least the ``after_s`` that the ``failed`` attempt asked for."""
         base = min(self.backoff_max_s, self.backoff_s * 2 ** (n - 2))
-        return base * (0.5 + random.random() / 2)
+        return max(base * (0.5 + random.random() / 2), getattr(failed, "after_s", 0.0))
 
     def _first_failed(
         self,
@@ -133,7 +140,7 @@ class RetryPolicy:
 
         return {
             "stop": tenacity.stop_after_attempt(self.tries - 1),
-            "wait": lambda state: self.wait_before(state.attempt_number + 2),
+            "wait": lambda state: self.wait_before(state.attempt_number + 2, _error(state)),
             "retry": tenacity.retry_if_exception_type(self.retry_on),
             "after": after,
             "retry_error_callback": raise_last,

@@ -138,12 +138,16 @@ class Keys:
         """Hash with the producer's gate: running or waiting, why, since when, its figures."""
         return self.run_key("producer_state")
 
-    def judge_pool(self, endpoint: str) -> tuple[str, str]:
+    def judge_pool(self, endpoint: str) -> tuple[str, str, str]:
         """The call pool of one judge endpoint (a digest of its URL), shared by every verifier
         worker of the run: a sorted set of calls in flight (member: call id, score: when its
-        lease ends) and one of recent call starts (score: when), both under the run's tag."""
-        return self.run_key("judge", "pool", endpoint, "busy"), self.run_key(
-            "judge", "pool", endpoint, "starts"
+        lease ends), one of recent call starts (score: when), and the endpoint's hold (a
+        string whose TTL is the back-off it asked for), all under the run's tag."""
+        pool = ("judge", "pool", endpoint)
+        return (
+            self.run_key(*pool, "busy"),
+            self.run_key(*pool, "starts"),
+            self.run_key(*pool, "hold"),
         )
 
     def judge_cache(self, version: str, digest: str) -> str:

@@ -283,11 +283,18 @@ return redis.call('XTRIM', stream, 'MINID', floor)
 # Invariant: at most ARGV[3] calls hold a lease in KEYS[1] at once, and at most ceil(rate)
 # calls started in any window of ceil(rate) / rate seconds (rate = ARGV[4]; 0: no rate limit).
 # A lease ends by itself ARGV[2] ms after it was taken, so a killed holder's slot frees itself.
-# Redis's clock, not the callers': every process reads the same one.
+# Redis's clock, not the callers': every process reads the same one. While KEYS[3] exists the
+# service asked the whole run to back off (a 429 or 503 with Retry-After, ``POOL_HOLD``): no
+# call starts until it ends.
 # KEYS[1]=busy zset (member: call id, score: lease end, ms), KEYS[2]=starts zset (score: start
-# ms). ARGV: call id, lease_ms, max_in_flight, max_per_second. Returns 0 when the call may
-# start (its lease taken), else about how many ms until it may ask again.
+# ms), KEYS[3]=hold (a string with a TTL). ARGV: call id, lease_ms, max_in_flight,
+# max_per_second. Returns 0 when the call may start (its lease taken), minus the ms left of the
+# hold while the service is held off, else about how many ms until it may ask again.
 POOL_ACQUIRE = """
+local held = redis.call('PTTL', KEYS[3])
+if held > 0 then
+  return -held
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease, limit, rate = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -310,4 +317,13 @@ end
 redis.call('ZADD', KEYS[1], now + lease, ARGV[1])
 redis.call('PEXPIRE', KEYS[1], lease + 1000)
 return 0
+"""
+
+# Hold a call pool (POOL_ACQUIRE's KEYS[3]) for ARGV[1] ms, the service's word (ARGV[2]) kept as
+# its value; a hold already ending later stays as it is (holds only ever lengthen).
+POOL_HOLD = """
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[1])
+end
+return redis.call('PTTL', KEYS[1])
 """

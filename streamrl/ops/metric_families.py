@@ -111,6 +111,24 @@ class Families:
             "Mean policy versions behind, over an environment's last groups.",
             labels=env,
         )
+        # the run's LLM judge (`judge:stats`, streamrl.verifiers.judge)
+        self.judge_samples = c(
+            "streamrl_judge_samples", "Samples the LLM judge graded.", labels=run
+        )
+        self.judge_calls = c("streamrl_judge_calls", "Calls made to the LLM judge.", labels=run)
+        self.judge_cached = c(
+            "streamrl_judge_cache_hits", "Judge grades read from its cache.", labels=run
+        )
+        self.judge_failures = c(
+            "streamrl_judge_failures",
+            "Samples the judge gave up on after its retries (a failure, never a 0).",
+            labels=run,
+        )
+        self.judge_throttled = c(
+            "streamrl_judge_throttled",
+            "Judge answers 429 or 503: the run's pool held off the endpoint.",
+            labels=run,
+        )
         self.policy_version = g(
             "streamrl_policy_version", "Newest policy version announced.", labels=run
         )

@@ -135,6 +135,13 @@ class _Collector(Collector):
         f.groups_completed.add_metric([run], stats.get("groups_completed", 0.0))
         f.duplicates.add_metric([run], stats.get("duplicates_ignored", 0.0))
         f.groups_dropped.add_metric([run, "failed_sample"], stats.get("groups_dropped", 0.0))
+        judge = {as_str(k): _num(v) or 0.0 for k, v in r.hgetall(keys.judge_stats).items()}
+        if judge:  # a run with an LLM judge
+            f.judge_samples.add_metric([run], judge.get("samples", 0.0))
+            f.judge_calls.add_metric([run], judge.get("calls", 0.0))
+            f.judge_cached.add_metric([run], judge.get("cached", 0.0))
+            f.judge_failures.add_metric([run], judge.get("failures", 0.0))
+            f.judge_throttled.add_metric([run], judge.get("throttled", 0.0))
 
         last = r.xrevrange(keys.policy, count=1)
         if last:

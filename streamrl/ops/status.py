@@ -232,6 +232,9 @@ def collect(r: redis.Redis, run: str, control: redis.Redis | None = None) -> dic
     mix = mixture_status(r, run, shards, learner)
     if mix is not None:
         info["mixture"] = mix
+    judge = {as_str(k): int(v) for k, v in r.hgetall(keys.judge_stats).items()}
+    if judge:  # the run's LLM judge (verifiers.judge): samples judged, calls, cache hits, ...
+        info["judge"] = judge
     if len(parts) > 1:
         info["shards"] = {
             k.label: {"node": node_of(r, k.tasks), **part}

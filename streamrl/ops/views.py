@@ -82,6 +82,13 @@ def status_table(info: dict[str, Any]) -> Table:
         for key in ("verdict", "no_signal"):  # one line each, when there is one
             if ln.get(key):
                 foot.add_row("learner", "", "", str(ln[key]))
+    if info.get("judge"):  # the LLM judge: what it cost, and what it could not answer
+        j = info["judge"]
+        calls = f"{j.get('calls', 0)} for {j.get('samples', 0)} samples"
+        foot.add_row("judge calls", calls, "from its cache", str(j.get("cached", 0)))
+        if j.get("failures") or j.get("throttled"):
+            given_up, throttled = str(j.get("failures", 0)), str(j.get("throttled", 0))
+            foot.add_row("judge gave up", given_up, "told to back off", throttled)
     rd = info.get("redis") or {}
     if rd.get("cluster"):
         nodes = f"run keys on {rd.get('node')}"

@@ -30,7 +30,7 @@ from streamrl.envs import Environment, make_env
 from streamrl.producer.datasets import Rows, open_rows
 from streamrl.producer.produce import Producer, ProduceResult, _RowBatch, _tasks, training_seed
 
-CANARY = "canary-"  # the prompt id prefix of canary prompts (producer.tripwires reads it)
+CANARY = d.CANARY_PREFIX  # the prompt id prefix of canary prompts (producer.tripwires reads it)
 
 
 def draw(entries: list[EnvEntry], seed: int, index: int) -> EnvEntry:

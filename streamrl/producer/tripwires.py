@@ -12,13 +12,20 @@ ones seen and the latest ones (canary prompts apart), and every check compares t
   echo;
 - **canary**: the mean reward of the canary prompts (fixed prompts the producer mixes in,
   ``canary_every``) moved by more than ``canary_shift`` from ``canary_reward`` (a known answer,
-  or 0 for a known unsolvable prompt) or from their first window's: the scoring drifted.
+  or 0 for a known unsolvable prompt) or from their first window's: the scoring drifted (the
+  judge asks afresh for every canary sample, never from its cache, so a judge that changed
+  behind the same version shows here too);
+- **disagree**: where an LLM judge is combined with programmatic checks (the Score's
+  ``components``: ``judge`` and the reward functions beside it, or those named in
+  ``disagree_with``), ``disagree`` of the latest such samples or more have the judge further
+  than ``disagree_by`` from a check: one of the two is being gamed, or is wrong.
 
-A tripwire that fires is written to ``srl:{run}:mix_paused`` with its one-line reason when the
-environment's ``pause`` is set (the mixture producer draws from it no more until ``streamrl mix
---resume``), and logged either way. A check is a plain function of an environment's windows
-(``CHECKS``): a judge-vs-programmatic disagreement check is one more, over the samples'
-``components`` (the judge verifier's work, not built here).
+A tripwire that fires is written to ``srl:{run}:tripped`` (``streamrl status`` shows it) and,
+when the environment's ``pause`` is set, to ``srl:{run}:mix_paused`` with its one-line reason
+(the mixture producer draws from it no more until ``streamrl mix --resume``); it is logged
+either way. A check is a plain function of an environment's windows (``CHECKS``). The mixture
+producer (``streamrl produce`` with ``[[envs]]``) runs them before every batch, on the groups
+the verifiers assembled since the last.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.bus.shards import run_shards
 from streamrl.bus.values import as_str
-from streamrl.config import Mixture, TripwireConfig
+from streamrl.config import JUDGE, Mixture, TripwireConfig
 from streamrl.envs.base import last_assistant_text
 from streamrl.producer.mixture import CANARY, pause, paused
 
@@ -158,10 +165,43 @@ def canary(w: EnvWindows, cfg: TripwireConfig) -> str | None:
     return f"canary prompts' reward moved {moved:+.2f} from {base:.2f} (the latest {len(now)})"
 
 
+def disagree(w: EnvWindows, cfg: TripwireConfig) -> str | None:
+    now = list(w.latest) if len(w.latest) >= cfg.window else w.first
+    if not cfg.disagree or len(now) < cfg.window:
+        return None
+    judged = [s for s in now if JUDGE in s.components]
+    checks = sorted(
+        {n for s in judged for n in s.components if n != JUDGE}
+        & (set(cfg.disagree_with) or {n for s in judged for n in s.components})
+    )
+    if not checks or len(judged) < cfg.window:
+        return None
+    apart: dict[str, int] = {}
+    for s in judged:
+        for n in checks:
+            if n in s.components and abs(s.components[JUDGE] - s.components[n]) > cfg.disagree_by:
+                apart[n] = apart.get(n, 0) + 1
+    if not apart:
+        return None
+    name, n = max(apart.items(), key=lambda kv: kv[1])
+    if n < cfg.disagree * len(judged):
+        return None
+    judge_mean = _mean([s.components[JUDGE] for s in judged])
+    check_mean = _mean([s.components[name] for s in judged if name in s.components])
+    return (
+        f"the judge and {name} disagree (by more than {cfg.disagree_by:g}) on {n} of the latest "
+        f"{len(judged)} samples (judge mean {judge_mean:.2f}, {name} mean {check_mean:.2f})"
+    )
+
+
 Check = Callable[[EnvWindows, TripwireConfig], str | None]
-# The checks, in order; the first that fires is the environment's reason. The judge verifier
-# adds its disagreement check here (samples' `components` hold both verdicts).
-CHECKS: list[tuple[str, Check]] = [("collapse", collapse), ("restate", restate), ("canary", canary)]
+# The checks, in order; the first that fires is the environment's reason.
+CHECKS: list[tuple[str, Check]] = [
+    ("collapse", collapse),
+    ("restate", restate),
+    ("canary", canary),
+    ("disagree", disagree),
+]
 
 
 @dataclass

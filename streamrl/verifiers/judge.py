@@ -8,7 +8,9 @@ One call, in order:
    each of the task's data columns (``{answer}``, ...);
 2. the cache, ``judge:cache:<version>:<digest of the filled messages>`` in the run's Redis: a
    redelivered or re-verified sample whose judge input has been answered before is not sent
-   again (only parsed answers are kept, for ``cache_ttl_s``);
+   again (only parsed answers are kept, for ``cache_ttl_s``); a canary prompt's sample (the
+   tripwires' fixed prompts) is always asked afresh, so that a judge that drifts behind the
+   same version moves the canaries' reward;
 3. a slot of the endpoint's pool (``streamrl.bus.limiter``): ``max_in_flight`` calls and
    ``max_per_second`` starts across *every* verifier worker of the run;
 4. ``POST /v1/chat/completions``; the first group of ``score_pattern``'s first match in the
@@ -23,12 +25,16 @@ an answer that is not a chat completion or holds no score in ``[min_score, max_s
 retried ``retries`` times with capped exponential backoff (each attempt holding a pool slot
 only while its request is out), then raise ``JudgeUnavailable``; the verifier worker retries
 the sample and dead-letters it with that reason. Another 4xx (a wrong model name, a bad key)
-is raised at once. The Score keeps the filled prompt, the raw answer and the parsed score in
-``info["judge"]``.
+is raised at once. A 429 or 503 is the endpoint saying it is overloaded: its ``Retry-After``
+(seconds or an HTTP date; ``backoff_s`` without one), capped at ``retry_after_max_s``, holds
+the whole run's pool off the endpoint (no worker starts a call until it has passed) and is the
+least the told call waits before its next attempt. The Score keeps the filled prompt, the raw
+answer and the parsed score in ``info["judge"]``.
 """
 
 from __future__ import annotations
 
+import email.utils
 import hashlib
 import json
 import math
@@ -46,7 +52,7 @@ from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.bus.limiter import CallPool, PoolTimeout
 from streamrl.config import JUDGE, JudgeConfig
-from streamrl.defaults import JUDGE_LEASE_SLACK_S
+from streamrl.defaults import CANARY_PREFIX, JUDGE_LEASE_SLACK_S
 from streamrl.http import Retryable, RetryPolicy, httpx_api, server_root
 from streamrl.schema import (
     FunctionCall,
@@ -59,6 +65,7 @@ from streamrl.schema import (
 )
 
 _RETRY_STATUS = frozenset({408, 425, 429})
+_OVERLOADED = frozenset({429, 503})  # the endpoint as a whole: every worker backs off
 _SNIPPET = 300
 
 
@@ -114,6 +121,25 @@ def parse_score(raw: str, cfg: JudgeConfig) -> float | None:
     return value
 
 
+def retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds a ``Retry-After`` header asks for (delay-seconds or an HTTP date); None when
+    there is none or it cannot be read."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:
+            return None
+        seconds = when.timestamp() - (time.time() if now is None else now)
+    return max(0.0, seconds) if math.isfinite(seconds) else None
+
+
 def config_version(cfg: JudgeConfig) -> str:
     """The judge's verifier version: its ``version`` and a digest of everything that changes
     what it answers (not where it is), so a changed rubric never reads stale cache entries and
@@ -121,6 +147,11 @@ def config_version(cfg: JudgeConfig) -> str:
     what = (cfg.model, cfg.system, cfg.prompt, cfg.score_pattern, cfg.min_score, cfg.max_score,
             cfg.max_tokens, cfg.temperature)  # fmt: skip
     return f"{cfg.version}-{hashlib.sha256(repr(what).encode()).hexdigest()[:10]}"
+
+
+def _canary(task: Task) -> bool:
+    """A canary prompt's sample (``producer.mixture``): judged afresh every time."""
+    return task.prompt_id.startswith(CANARY_PREFIX)
 
 
 def _digest(messages: list[dict[str, str]]) -> str:
@@ -169,7 +200,9 @@ class Judge:
         ready = self._ready.pop(digest, None)  # asked for already by ``prefetch``
         if isinstance(ready, BaseException):
             raise ready  # the sample's first attempt; the verifier worker makes the next
-        answer, calls, cached = ready if ready is not None else self._answer(messages, digest)
+        if ready is None:
+            ready = self._answer(messages, digest, fresh=_canary(task))
+        answer, calls, cached = ready
         self._count("samples", 1, "cached", int(cached))
         cfg = self.cfg
         reward = (answer.score - cfg.min_score) / (cfg.max_score - cfg.min_score)
@@ -195,16 +228,20 @@ class Judge:
         the sample's first attempt."""
         self._ready.clear()
         jobs: dict[str, list[dict[str, str]]] = {}
+        fresh: set[str] = set()
         for task, trajectory in samples:
             try:
                 messages = self.messages(task, trajectory)
             except ValueError:
                 continue  # the sample's own attempt says why
-            jobs.setdefault(_digest(messages), messages)
+            digest = _digest(messages)
+            jobs.setdefault(digest, messages)
+            if _canary(task):
+                fresh.add(digest)
         if len(jobs) < 2:
             return
         with ThreadPoolExecutor(max_workers=min(self.cfg.max_in_flight, len(jobs))) as pool:
-            futures = {pool.submit(self._answer, m, d): d for d, m in jobs.items()}
+            futures = {pool.submit(self._answer, m, d, d in fresh): d for d, m in jobs.items()}
             pending = set(futures)
             while pending:
                 _, pending = wait(pending, timeout=every_s)
@@ -213,10 +250,12 @@ class Judge:
             error = future.exception()
             self._ready[digest] = error if error is not None else future.result()
 
-    def _answer(self, messages: list[dict[str, str]], digest: str) -> tuple[JudgeAnswer, int, bool]:
-        """The answer (from the cache, or asked for with retries), the calls it took, and
-        whether it came from the cache."""
-        cached = self._cached(digest)
+    def _answer(
+        self, messages: list[dict[str, str]], digest: str, fresh: bool = False
+    ) -> tuple[JudgeAnswer, int, bool]:
+        """The answer (from the cache unless ``fresh``, or asked for with retries), the calls
+        it took, and whether it came from the cache."""
+        cached = None if fresh else self._cached(digest)
         if cached is not None:
             return cached, 0, True
         calls = 0
@@ -250,7 +289,7 @@ class Judge:
             if self._pool is None:
                 resp = self._post(body)
             else:
-                with self._pool.slot(wait_s=cfg.timeout_s):
+                with self._pool.slot(wait_s=cfg.timeout_s + cfg.retry_after_max_s):
                     resp = self._post(body)
         except PoolTimeout as e:
             raise Retryable(f"judge pool: {e}") from None
@@ -261,7 +300,8 @@ class Judge:
             raise Retryable(f"judge connection error: {type(e).__name__}: {e}") from None
         status = resp.status_code
         if status in _RETRY_STATUS or status >= 500:
-            raise Retryable(f"judge answered HTTP {status}: {_snippet(resp.text)}")
+            why = f"judge answered HTTP {status}: {_snippet(resp.text)}"
+            raise Retryable(why, after_s=self._back_off(status, resp.headers, why))
         if status >= 400:
             raise JudgeUnavailable(
                 f"judge refused the request, HTTP {status} (not retried): {_snippet(resp.text)}"
@@ -278,6 +318,20 @@ class Judge:
                 f"matching {cfg.score_pattern!r}: {_snippet(raw)!r}"
             )
         return JudgeAnswer(prompt=messages[-1]["content"], raw=raw, score=score)
+
+    def _back_off(self, status: int, headers: Any, why: str) -> float:
+        """The least wait before the next attempt: the endpoint's ``Retry-After`` (capped);
+        a 429 or 503 also holds the run's whole pool off the endpoint that long (backoff_s
+        when it named no time)."""
+        cfg = self.cfg
+        asked = retry_after(headers.get("retry-after"))
+        wait = min(asked if asked is not None else 0.0, cfg.retry_after_max_s)
+        if status in _OVERLOADED:
+            self._count("throttled", 1)
+            hold = min(asked if asked is not None else cfg.backoff_s, cfg.retry_after_max_s)
+            if self._pool is not None and hold > 0:
+                self._pool.hold(hold, why)
+        return wait
 
     def _post(self, body: dict[str, Any]) -> Any:
         if self._client is None:
@@ -313,7 +367,7 @@ class Judge:
 
     def _count(self, *pairs: Any) -> None:
         """The run's judge figures (``judge:stats``): samples judged, calls made, cache hits,
-        samples given up on."""
+        samples given up on, 429/503 answers."""
         if self.r is None or self.keys is None:
             return
         pipe = self.r.pipeline(transaction=False)
@@ -324,6 +378,7 @@ class Judge:
 
 
 def judge_stats(r: redis.Redis, run: str) -> dict[str, int]:
-    """``{samples, calls, cached, failures}`` of the run's judge so far."""
+    """``{samples, calls, cached, failures, throttled}`` of the run's judge so far (a
+    field not counted yet is absent)."""
     raw = r.hgetall(Keys(run).judge_stats)
     return {k.decode(): int(v) for k, v in raw.items()}

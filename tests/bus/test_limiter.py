@@ -5,6 +5,7 @@ once, and a holder that never releases (a killed worker) loses its slot when its
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -100,3 +101,22 @@ def test_the_verify_role_may_use_the_judge_pool_and_cache(r, redis_server):
     finally:
         for role in ("verify", "observer"):
             r.acl_deluser(made[role].name)
+
+
+def test_a_hold_stops_every_pool_on_the_keys_until_it_ends(r):
+    """What a 429 with Retry-After does (``CallPool.hold``): no process of the run starts a
+    call until the hold has passed; a shorter hold never cuts a longer one short."""
+    a, b = _pools(r, max_in_flight=5)
+    a.held += "-hold-test"
+    b.held = a.held
+    assert a.hold(30, "HTTP 429") == 30.0
+    assert a.hold(0.05, "HTTP 429 again") > 29  # kept: holds only lengthen
+    assert -30_000 <= b.try_acquire("other-worker") < 0  # minus the ms left of the hold
+    assert b.in_flight() == 0
+    with pytest.raises(PoolTimeout, match="held off by the service"), b.slot(wait_s=0.1):
+        pass
+    r.delete(a.held)
+    before = time.monotonic()
+    a.hold(0.3, "HTTP 503")
+    with b.slot(wait_s=10):  # sleeps the hold out, then takes a slot
+        assert time.monotonic() - before >= 0.3 and a.held_for() == 0 and b.in_flight() == 1

@@ -5,7 +5,15 @@ tests/workers/test_mixture_pipeline.py."""
 from __future__ import annotations
 
 from streamrl.config import TripwireConfig
-from streamrl.producer.tripwires import CHECKS, EnvWindows, Seen, canary, collapse, restates
+from streamrl.producer.tripwires import (
+    CHECKS,
+    EnvWindows,
+    Seen,
+    canary,
+    collapse,
+    disagree,
+    restates,
+)
 
 CFG = TripwireConfig(window=8, canary_every=5)
 
@@ -17,8 +25,9 @@ def _windows(first: list[Seen], latest: list[Seen], canary: bool = False) -> Env
     return w
 
 
-def _seen(reward: float, length: int = 40, tools: int = 2) -> Seen:
-    return Seen(reward=reward, length=length, tool_calls=tools, restated=False)
+def _seen(reward: float, length: int = 40, tools: int = 2, **components: float) -> Seen:
+    return Seen(reward=reward, length=length, tool_calls=tools, restated=False,
+                components=components)  # fmt: skip
 
 
 def test_reward_up_while_length_or_tool_use_collapses_fires():
@@ -48,5 +57,20 @@ def test_canaries_that_move_fire():
     assert "moved +1.00" in canary(_windows([_seen(1.0)] * 8, [], canary=True), known)
 
 
+def test_a_judge_that_disagrees_with_its_programmatic_check_fires():
+    agree = [_seen(1.0, judge=0.9, exact=1.0, fmt=1.0)] * 8
+    assert disagree(_windows(agree, agree), CFG) is None
+    gamed = [_seen(0.5, judge=1.0, exact=0.0, fmt=1.0)] * 5 + agree[:3]  # 5 of 8 apart
+    why = disagree(_windows(agree, gamed), CFG)
+    assert why.startswith("the judge and exact disagree (by more than 0.5) on 5 of the latest 8")
+    assert "judge mean 0.96, exact mean 0.38" in why
+    only_fmt = TripwireConfig(window=8, disagree_with=["fmt"])  # exact is not a check of it
+    assert disagree(_windows(agree, gamed), only_fmt) is None
+    assert disagree(_windows(agree, gamed), TripwireConfig(window=8, disagree=0.75)) is None
+    assert disagree(_windows(agree, agree[:5] + gamed[:3]), CFG) is None  # 3 of 8: under half
+    no_check = [_seen(1.0, judge=0.0)] * 8  # a judge alone: nothing to disagree with
+    assert disagree(_windows(no_check, no_check), CFG) is None
+
+
 def test_every_check_is_a_named_plain_function():
-    assert [name for name, _ in CHECKS] == ["collapse", "restate", "canary"]
+    assert [name for name, _ in CHECKS] == ["collapse", "restate", "canary", "disagree"]

@@ -8,12 +8,18 @@ digit most of the time and none some of the time: a judge config reads the first
 (``score_pattern = "(\\d)"``) and meets real unparseable answers now and then.
 
 Knobs, ``POST /admin`` with a JSON object: ``fail_next`` (answer the next N chat requests with
-``status``, 429 by default), ``hang`` (true: chat requests wait until it is false again or their
-client goes away, as vLLM aborts a request whose client disconnected), ``delay_s`` (each chat
-request waits this long first, keeping requests in flight side by side), ``reset_max`` (start
-counting ``max_in_flight`` again). ``GET /stats``:
+``status``, 429 by default, and a ``Retry-After: <retry_after>`` header when ``retry_after`` is
+given), ``fail_all`` (answer every chat request with this status, and ``retry_after``, until
+it is null again), ``hang`` (true: chat requests wait until it is false again or their client
+goes away, as vLLM aborts a request whose client disconnected), ``hang_after`` (N: answer the
+next N chat requests, then hang every later one until its client goes), ``delay_s`` (each request
+waits this long first, keeping requests in flight side by side), ``reply`` (answer every chat
+request with this text instead of the model's sample, as a judge swapped behind the same URL
+would; null: the model again), ``reset_max`` (start counting ``max_in_flight`` again).
+``GET /stats``:
 ``calls`` (chat requests received), ``statuses`` (answers by HTTP status), ``in_flight`` and
-``max_in_flight`` (chat requests being handled at once: now, and the most ever seen).
+``max_in_flight`` (chat requests being handled at once: now, and the most ever seen), ``log``
+(``[arrival, status]`` of the last chat requests, arrival in seconds on the server's clock).
 
     python -m tests.support.judge_server MODEL_DIR PORT [DELAY_S]
 """
@@ -69,41 +75,66 @@ class JudgeTestServer(OpenAITestServer):
         super().__init__(model_dir, served_model_name=SERVED, port=port)
         self.hold_s = delay_s
         self.hang = False
-        self.fail: list[int] = []
+        self.hang_after: int | None = None
+        self.fail: list[tuple[int, str | None]] = []  # (status, Retry-After)
+        self.fail_all: tuple[int, str | None] | None = None
         self.stats: dict[str, Any] = {"calls": 0, "statuses": {}, "in_flight": 0}
         self.stats["max_in_flight"] = 0
+        self.stats["log"] = []
         self._count = threading.Lock()
 
     def admin(self, body: dict[str, Any]) -> dict[str, Any]:
         with self._count:
+            after = body.get("retry_after")
+            after = None if after is None else str(after)
             if "fail_next" in body:
-                self.fail += [int(body.get("status", 429))] * int(body["fail_next"])
+                self.fail += [(int(body.get("status", 429)), after)] * int(body["fail_next"])
+            if "fail_all" in body:
+                self.fail_all = None if body["fail_all"] is None else (int(body["fail_all"]), after)
             if "hang" in body:
                 self.hang = bool(body["hang"])
+            if "hang_after" in body:
+                self.hang_after = body["hang_after"]
             if "delay_s" in body:
                 self.hold_s = float(body["delay_s"])
+            if "reply" in body:
+                reply = body["reply"]
+                self.script = None if reply is None else (lambda _body: str(reply))
             if body.get("reset_max"):
                 self.stats["max_in_flight"] = self.stats["in_flight"]
         return {"ok": True}
 
-    def judge_call(self, body: dict[str, Any], conn: socket.socket) -> tuple[int, Any] | None:
-        """A chat request, counted in flight from arrival to answer; None: its client left."""
+    def judge_call(
+        self, body: dict[str, Any], conn: socket.socket
+    ) -> tuple[int, Any, dict[str, str]] | None:
+        """A chat request, counted in flight from arrival to answer: its status, body and
+        extra headers; None: its client left."""
+        arrival = time.monotonic()
         with self._count:
             self.stats["calls"] += 1
             self.stats["in_flight"] += 1
             self.stats["max_in_flight"] = max(self.stats["max_in_flight"], self.stats["in_flight"])
-            status = self.fail.pop(0) if self.fail else 0
+            status, after = self.fail.pop(0) if self.fail else self.fail_all or (0, None)
+            hang = self.hang_after == 0
+            if self.hang_after:
+                self.hang_after -= 1
+        answer: tuple[int, Any, dict[str, str]] | None = None
         try:
             if status:
-                return status, _error(status, "injected failure")
+                headers = {"Retry-After": after} if after is not None else {}
+                answer = status, _error(status, "injected failure"), headers
+                return answer
             until = time.monotonic() + self.hold_s
-            while self.hang or time.monotonic() < until:
+            while hang or self.hang or time.monotonic() < until:
                 if _client_gone(conn):
                     return None
-            return self.chat(body)
+            answer = (*self.chat(body), {})
+            return answer
         finally:
             with self._count:
                 self.stats["in_flight"] -= 1
+                if answer is not None:
+                    self.stats["log"] = [*self.stats["log"][-499:], [arrival, answer[0]]]
 
     def handler_class(self) -> type:
         server = self
@@ -130,11 +161,18 @@ class JudgeTestServer(OpenAITestServer):
                 if answer is None:
                     self.close_connection = True
                     return
-                status, payload = answer
+                status, payload, headers = answer
                 with server._count:
                     codes = server.stats["statuses"]
                     codes[str(status)] = codes.get(str(status), 0) + 1
+                self._headers = headers
                 self._send(status, payload)
+
+            def end_headers(self) -> None:
+                for name, value in getattr(self, "_headers", {}).items():
+                    self.send_header(name, value)
+                self._headers = {}
+                super().end_headers()
 
         return Handler
 

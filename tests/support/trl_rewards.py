@@ -71,3 +71,12 @@ def two_rewards(completions, **kwargs):
 
 def not_a_number(completions, **kwargs):
     return ["high" for _ in completions]
+
+
+def counter_answer(completions, start, numbers, **kwargs):
+    """1.0 when the last reply is the counter's final value (a programmatic check of the
+    counter environment's tasks, in TRL's conversational form)."""
+    return [
+        1.0 if completion[-1]["content"].strip() == str(s + sum(ns)) else 0.0
+        for completion, s, ns in zip(completions, start, numbers, strict=True)
+    ]

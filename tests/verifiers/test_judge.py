@@ -11,7 +11,7 @@ import pytest
 
 from streamrl.config import JudgeConfig, RunConfig
 from streamrl.schema import FunctionCall, FunctionCallOutput, Message, Task, Trajectory
-from streamrl.verifiers.judge import Judge, config_version, fill, parse_score
+from streamrl.verifiers.judge import Judge, config_version, fill, parse_score, retry_after
 from streamrl.verifiers.reward_functions import RewardFunctionError, RewardFunctions
 
 BASE = {"base_url": "http://127.0.0.1:1/v1", "model": "m", "prompt": "Q: {prompt} A: {response}"}
@@ -100,3 +100,21 @@ def test_the_judge_is_a_weighted_reward_function():
     assert mixed.names == ["judge", "no_extra_words"]
     assert mixed.verifier_id[0] == "reward-functions"
     assert mixed.verifier_id != other.verifier_id  # a new judge version is a new version
+
+
+@pytest.mark.parametrize(
+    ("header", "seconds"),
+    [
+        ("2", 2.0),
+        ("0.5", 0.5),
+        ("-3", 0.0),  # a time passed already: no wait
+        ("Wed, 25 Nov 2026 18:00:30 GMT", 30.0),  # an HTTP date, 30 s after `now`
+        ("Wed, 25 Nov 2026 17:59:00 GMT", 0.0),
+        ("soon", None),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_retry_after_is_read_as_seconds_or_an_http_date(header, seconds):
+    now = 1795629600.0  # Wed, 25 Nov 2026 18:00:00 GMT
+    assert retry_after(header, now=now) == seconds
