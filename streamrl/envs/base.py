@@ -157,6 +157,11 @@ class Environment(Generic[S]):
     def verifier_id(self) -> tuple[str, str]:
         return (self.verifier_name or self.name, self.verifier_version or self.version)
 
+    def release(self, task: Task, trajectory: Trajectory, state: S) -> None:
+        """A sample the verifier worker dead-letters (its verification kept failing): release
+        what it holds on a server (``nemo-gym`` closes its session). Best effort; default:
+        nothing."""
+
     # -- a reference agent: drives the scripted policy and the audit's reference check
     def reference(self, task: Task, items: list[Item], state: S) -> Item:
         raise NotImplementedError(f"environment {self.name!r} has no reference agent")

@@ -354,6 +354,12 @@ class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
         self._close_verified(task, state)
         return verdict_from_answer(answer)
 
+    def release(self, task: Task, trajectory: Trajectory, state: NemoGymState) -> None:
+        """A sample dead-lettered at the verifier stage (``/verify`` kept failing, or its
+        rollout failed): its session is closed, as after a verify."""
+        if state.seeded:
+            self._close_verified(task, state)
+
     def _close_verified(self, task: Task, state: NemoGymState) -> None:
         """``/close_session`` once ``/verify`` has answered: the session is done. Best effort
         (a session left open is a leak, not a wrong reward). A verification redone after this
