@@ -285,7 +285,11 @@ class PolicyEndpoint:
         if turn.finish_reason == "length":
             out["status"] = "incomplete"
             out["incomplete_details"] = {"reason": "max_output_tokens"}
-        out["usage"] = _usage(turn, "input_tokens", "output_tokens")
+        out["usage"] = {
+            **_usage(turn, "input_tokens", "output_tokens"),
+            "input_tokens_details": {"cached_tokens": 0},  # what OpenAI's ResponseUsage requires
+            "output_tokens_details": {"reasoning_tokens": 0},
+        }
         return out
 
     async def _chat(self, capture: Capture, body: dict[str, Any]) -> dict[str, Any]:
