@@ -206,11 +206,17 @@ def run_mode_kill_run(
     run: str = "ng-run-kills",
     group_size: int = 2,
     timeout_s: float = 240.0,
+    sessions_url: str | None = "",
 ) -> dict[str, Any]:
     """``rows`` x ``group_size`` samples through an environment server's ``/run`` (mode=run;
     the worker serves its policy at ``endpoint``), the work horse SIGKILLed at the fault points
     (``after_policy_turn``: a model turn answered to the server's agent, the episode's /run in
-    flight); the figures, from the server's own log and the scored trajectories."""
+    flight); the figures, from the resources server's own log (``GET /_sessions`` at
+    ``sessions_url``, default ``server_url``: the test server or bench/nemo_gym_pypi/servers.py's
+    counter; None: no log to read) and the scored trajectories."""
+    if sessions_url == "":
+        sessions_url = server_url
+    log = (lambda: sessions(sessions_url)) if sessions_url else dict
     fault_dir = directory / "faults"
     fault_dir.mkdir(parents=True, exist_ok=True)
     env = {**worker_env, FAILPOINTS: faults, FAILPOINT_DIR: str(fault_dir),
@@ -232,7 +238,7 @@ def run_mode_kill_run(
         verify=VerifyConfig(retries=1, timeout_s=30),
         streams=StreamConfig(claim_idle_ms=1500, heartbeat_s=0.3, max_deliveries=30),
     )
-    before = set(sessions(server_url))
+    before = set(log())
     drained = True
     with LocalPipeline(cfg, url=redis_url, directory=directory / "run", worker_env=env) as pipe:
         Producer(pipe.r, run).from_jsonl(path, "nemo-gym", group_size)
@@ -249,11 +255,13 @@ def run_mode_kill_run(
         dead = [schema.DEAD_LETTER.decode(f[b"p"]) for _, f in xrange_all(pipe.r, pipe.keys.dead)]
         scored = [schema.SCORE.decode(f[b"p"]) for _, f in xrange_all(pipe.r, pipe.keys.scored)]
         completed, dropped = pipe.stat("groups_completed"), pipe.stat("groups_dropped")
-    server = {k: v for k, v in sessions(server_url).items() if k not in before}
+    server = {k: _record(v) for k, v in log().items() if k not in before}
     by_episode = {
-        (r["episode_id"]["rollout_id"], r["episode_id"]["attempt"]): r for r in server.values()
+        (r["episode_id"]["rollout_id"], r["episode_id"]["attempt"]): r
+        for r in server.values()
+        if r.get("episode_id")
     }
-    twice = not_as_recorded = scored_0 = untokened = 0
+    twice = not_as_recorded = scored_0 = untokened = turns = 0
     attempts: Counter[int] = Counter()
     for s in samples:
         t = s.trajectory
@@ -262,12 +270,17 @@ def run_mode_kill_run(
         attempts[attempt] += 1
         record = by_episode.get((episode_rollout_id(t.task_id), attempt))
         expected = _calls(t)
-        if record is None or record["verifies"] != 1 or record["calls"] != expected:
+        if by_episode and (
+            record is None or record["verifies"] != 1 or record["calls"] != expected
+        ):
             not_as_recorded += 1
         if record is not None:
             twice += max(0, len(record["calls"]) - len(expected))
         scored_0 += s.score.reward == 0.0
+        turns += len(t.turns)
         untokened += not t.turns or any(not turn.token_ids for turn in t.turns)
+    if not by_episode:  # legacy seeds (or no log): the server does not know the episodes
+        not_as_recorded = twice = None
     kills = Counter(path.read_text().split()[0] for path in fault_dir.iterdir())
     ids = [s.task_id for s in scored if s.reward is not None]
     return {
@@ -285,12 +298,24 @@ def run_mode_kill_run(
         "calls_applied_twice": twice,
         "sessions_not_as_recorded": not_as_recorded,
         "samples_without_tokens": untokened,
+        "model_turns_recorded": turns,
+        "mean_reward": sum(s.score.reward or 0 for s in samples) / max(1, len(samples)),
         "sessions_seeded": len(server),
         "sessions_closed": sum(1 for r in server.values() if r.get("closed")),
         "sessions_leaked": sum(1 for r in server.values() if not r.get("closed")),
         "sessions_verified": sum(1 for r in server.values() if r["verifies"]),
+        "sessions_leaked_with_calls": sum(
+            1 for r in server.values() if not r.get("closed") and r["calls"]
+        ),
         "verified_attempts": {str(k): n for k, n in sorted(attempts.items())},
     }
+
+
+def _record(r: dict[str, Any]) -> dict[str, Any]:
+    """A session record of either server, its calls as the test server logs them (the PyPI
+    counter logs each increment's count)."""
+    calls = [f"increment_counter:{c}" if isinstance(c, int) else c for c in r["calls"]]
+    return {**r, "calls": calls}
 
 
 def episode_rollout_id(task_id: str) -> str:
