@@ -248,7 +248,7 @@ class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
             await self._run.server.aclose()
 
     @property
-    def endpoint_address(self) -> tuple[str, int]:
+    def endpoint_address(self) -> tuple[str, int]:  # type: ignore[override]
         """mode=run: where the rollout worker serves its policy (``policy_endpoint``)."""
         assert self._run is not None
         return self._run.address
