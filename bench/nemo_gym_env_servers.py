@@ -155,7 +155,7 @@ def chain(python: str, tmp: Path, resources: str) -> tuple[Procs, dict[str, str]
     names = ("policy_model", "session_agent", "single_agent_turn_env", "legacy_agent_env",
              "resources")  # fmt: skip
     ports = {n: free_port() for n in names}
-    impl = "example_single_tool_call" if resources == "weather" else "counter"
+    impl = {"weather": "example_single_tool_call"}.get(resources, resources)
     config = tmp / f"global-{resources}.json"
     config.write_text(json.dumps(global_config(ports, impl)))
     procs = Procs(python, tmp)
@@ -195,11 +195,76 @@ def part(redis_url, env, tmp, name, url, endpoint, rows, kills, sessions_url) ->
     return report
 
 
+def train_part(python: str, tmp: Path, steps: int, seconds: float) -> dict:
+    """``streamrl demo``'s training (the tiny Llama, hf backend, one rollout worker) with every
+    episode run by single_agent_turn + simple_agent over the copy resources server: the learner
+    trains on the turns the policy endpoint recorded."""
+    import random
+
+    from streamrl.local.demo import DEMO_CONFIG, DemoOptions, train_demo
+
+    rng = random.Random(1)
+    symbols = [chr(ord("a") + i) for i in range(16)]
+    rows = []
+    for i in range(512):
+        answer = [rng.choice(symbols) for _ in range(3)]
+        params = {"input": "copy : " + " ".join(answer)}
+        rows.append({"id": f"copy{i:05d}", "responses_create_params": params, "answer": answer})
+    dataset = tmp / "copy.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    procs, urls, endpoint = chain(python, tmp, "copy")
+    try:
+        text = Path(DEMO_CONFIG).read_text().replace('env = "copy"', 'env = "nemo-gym"')
+        text += (
+            f'\n[env_options]\nbase_url = "{urls["single_agent_turn_env"]}"\nrows = "{dataset}"'
+            f'\nmode = "run"\npolicy_endpoint = "{endpoint}"\n'
+        )
+        config = tmp / "copy-run.toml"
+        config.write_text(text)
+        opts = DemoOptions(
+            seconds=seconds, target=None, live=False, config=config, max_steps=steps,
+            directory=tmp / "copy-run", rollout_workers=1,
+        )  # fmt: skip
+        res = train_demo(opts)
+        verifies = json.loads(urllib.request.urlopen(f"{urls['resources']}/_sessions").read())
+    finally:
+        procs.stop()
+    keep = ("reward_first", "reward_last", "learner_steps", "seconds", "groups_trained")
+    out = {k: res.get(k) for k in keep}
+    out["server_verifies"] = verifies.get("verified")
+    out["ok"] = (res.get("learner_steps") or 0) >= steps and bool(out["server_verifies"])
+    return out
+
+
+def mode_run_parts(python, tmp, redis_url, worker_env, prompts, kills) -> dict:
+    out = {}
+    procs, urls, endpoint = chain(python, tmp, "weather")
+    try:
+        out["weather_single_agent_turn"] = part(
+            redis_url, worker_env, tmp, "weather_single_agent_turn",
+            urls["single_agent_turn_env"], endpoint, weather_rows(python), 0, None,
+        )  # fmt: skip
+    finally:
+        procs.stop()
+    procs, urls, endpoint = chain(python, tmp, "counter")
+    try:
+        for env_name in ("single_agent_turn", "legacy_agent"):
+            out[f"counter_{env_name}"] = part(
+                redis_url, worker_env, tmp, f"counter_{env_name}", urls[f"{env_name}_env"],
+                endpoint, counter_rows(prompts), kills, urls["resources"],
+            )  # fmt: skip
+    finally:
+        procs.stop()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--kills", type=int, default=2)
     ap.add_argument("--workdir", default="", help="keep the servers' logs here (empty: a temp)")
+    ap.add_argument("--train-steps", type=int, default=0, help="also train (train_part)")
+    ap.add_argument("--seconds", type=float, default=900.0)
     args = ap.parse_args()
     python = nemo_gym_python("0.7.0", say)
     worker_env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -208,24 +273,13 @@ def main() -> None:
         tmp = Path(args.workdir or t)
         tmp.mkdir(parents=True, exist_ok=True)
         rs = EmbeddedRedis(tmp / "redis").start()
-        procs, urls, endpoint = chain(python, tmp, "weather")
         try:
-            out["weather_single_agent_turn"] = part(
-                rs.url, worker_env, tmp, "weather_single_agent_turn",
-                urls["single_agent_turn_env"], endpoint, weather_rows(python), 0, None,
-            )  # fmt: skip
+            out.update(mode_run_parts(python, tmp, rs.url, worker_env, args.prompts, args.kills))
         finally:
-            procs.stop()
-        procs, urls, endpoint = chain(python, tmp, "counter")
-        try:
-            for env_name in ("single_agent_turn", "legacy_agent"):
-                out[f"counter_{env_name}"] = part(
-                    rs.url, worker_env, tmp, f"counter_{env_name}", urls[f"{env_name}_env"],
-                    endpoint, counter_rows(args.prompts), args.kills, urls["resources"],
-                )  # fmt: skip
-        finally:
-            procs.stop()
             rs.stop()
+        if args.train_steps > 0:
+            say(f"copy training through single_agent_turn: {args.train_steps} learner steps")
+            out["copy_training"] = train_part(python, tmp, args.train_steps, args.seconds)
     out["nemo_user_sim"] = user_sim(python)
     print(json.dumps(out, indent=2, default=str))
     w, s, legacy = (out[k] for k in ("weather_single_agent_turn", "counter_single_agent_turn",
@@ -238,6 +292,7 @@ def main() -> None:
         and s["sessions_leaked"] == 0 and s["scored_twice"] == 0
         and legacy["drained"] and legacy["scored"] == legacy["samples"]
         and legacy["scored_0"] == 0 and legacy["scored_twice"] == 0
+        and out.get("copy_training", {}).get("ok", True)
     )  # fmt: skip
     sys.exit(0 if ok else 1)
 
