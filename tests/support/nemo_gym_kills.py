@@ -131,8 +131,8 @@ def _figures(samples, dead, server, fault_dir, completed, dropped, drained, prom
     attempts: Counter[int] = Counter()
     for s in samples:
         state = msgspec.msgpack.decode(s.trajectory.state)
-        seed = state.get("seed_response") or {}
-        sid = seed.get("session_id") or seed.get("resources_session_id")
+        answer = state.get("seed_response") or {}
+        sid = answer.get("session_id") or answer.get("resources_session_id")
         record = server.get(sid)
         if record is None:
             not_as_recorded += 1
