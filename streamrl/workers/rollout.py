@@ -317,6 +317,10 @@ class _RolloutLease:
         end = started + (self.seconds if self.seconds is not None else rc.lease_seconds)
         heartbeat = None
         try:
+            # the run's environments that drive their own episodes get the policy endpoint
+            # before any task is taken: a worker that cannot listen there fails its lease
+            for name in [e.name for e in cfg.envs] or [cfg.env]:
+                await self.endpoints.for_env(self.table.env(name))
             await self.watch.load()
             await self.policy.refresh()  # serve the newest version from the first task on
             await self.watch.check(self.policy, self.config)

@@ -10,6 +10,7 @@ import asyncio
 import math
 
 import httpx
+import pytest
 
 from streamrl.policy.base import PolicyRequest
 from streamrl.policy.endpoint import PolicyEndpoint
@@ -70,3 +71,21 @@ def test_endpoint_records_each_turn_on_its_episode(tiny_dir, copy_task):
     assert capture.turns[0].prompt_token_ids == rendered
     assert isinstance(capture.items[1], FunctionCall) and capture.items[1].call_id == "c1"
     assert isinstance(capture.items[2], FunctionCallOutput) and capture.items[2].output == "seen"
+
+
+def test_a_second_endpoint_on_a_taken_address_fails_to_start(tiny_dir):
+    """What makes a second rollout worker on the same ``policy_endpoint`` fail its lease before
+    it takes a task: the address is held."""
+    policy = make(tiny_dir)
+
+    async def main():
+        first = PolicyEndpoint(policy, "127.0.0.1", 0)
+        await first.start()
+        try:
+            second = PolicyEndpoint(policy, "127.0.0.1", first.port)
+            with pytest.raises(OSError, match="cannot listen"):
+                await second.start()
+        finally:
+            await first.stop()
+
+    asyncio.run(main())
