@@ -72,6 +72,9 @@ class RunClient:
             timeout_s=o["run_timeout_s"],
             connect_timeout_s=o["connect_timeout_s"],
             max_connections=o["max_connections"],
+            # a fresh connection per /run: one the server closed while idle would fail the
+            # request after it may have been sent, which costs the episode an attempt
+            keepalive=False,
         )
         self.legacy = False  # its /run reads the row (legacy_agent), found on a 422
         self.taskset = str(o["taskset"])
