@@ -9,6 +9,7 @@ reason and its group dropped: a failure is never a reward of 0.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -219,6 +220,8 @@ class _VerifyLease:
                 last_beat = time.monotonic()
             if e.fence > cfg.streams.max_deliveries:
                 failed.append(self._failure(e, f"delivered {e.fence} times to verifiers", None))
+                with contextlib.suppress(Exception):  # what cannot be read holds nothing
+                    self._release(schema.TRAJECTORY.decode(e.payload))
                 continue
             try:
                 traj = schema.check_version(schema.TRAJECTORY.decode(e.payload))
