@@ -102,19 +102,21 @@ def legacy_run_answer(body: bytes) -> dict[str, Any]:
     return {"result": verify_answer(body)}
 
 
-def run_body(env: Any, task: Task, attempt: int) -> dict[str, Any]:
+def run_body(env: Any, client: RunClient, task: Task, attempt: int) -> dict[str, Any]:
+    """0.7's ``BaseEpisodeRequest``: the row as ``SingleAgentTurnTaskInput`` reads it."""
     row = env.row(task)
     params = row.pop("responses_create_params")
     return {
         "episode_id": episode_id(task.task_id, attempt),
         "task": {
-            "task_id": {"taskset": env._run.taskset, "task_id": task.prompt_id},
+            "task_id": {"taskset": client.taskset, "task_id": task.prompt_id},
             "task_input": {"responses_create_params": params, "task_data": row},
         },
     }
 
 
-def legacy_body(env: Any, task: Task, attempt: int) -> dict[str, Any]:
+def legacy_body(env: Any, client: RunClient, task: Task, attempt: int) -> dict[str, Any]:
+    """The row, for an agent's legacy ``/run``, with the episode's capture key."""
     return {**env.row(task), "_ng_rollout_id": resources_session_id(task.task_id, attempt)}
 
 
@@ -181,7 +183,7 @@ async def _post(
     """``POST /run`` once (the typed body; the row to a server known to read only that): its
     answer, or None and why not ("refused..." for a 4xx)."""
     for legacy in (client.legacy, True):
-        body = (legacy_body if legacy else run_body)(env, task, attempt)
+        body = (legacy_body if legacy else run_body)(env, client, task, attempt)
         parse = legacy_run_answer if legacy else run_answer
         try:
             answer = await client.server.apost("/run", body, {}, parse, tool=True, idempotent=False)
