@@ -151,7 +151,8 @@ def counter_rows(prompts: int) -> list[dict]:
 
 
 def chain(python: str, tmp: Path, resources: str) -> tuple[Procs, dict[str, str], str]:
-    """The servers around ``resources`` (``example_single_tool_call`` or ``counter``)."""
+    """The servers around ``resources`` (``weather``: the wheel's example_single_tool_call;
+    ``counter`` or ``copy``: bench/nemo_gym_pypi/servers.py's)."""
     names = ("policy_model", "session_agent", "single_agent_turn_env", "legacy_agent_env",
              "resources")  # fmt: skip
     ports = {n: free_port() for n in names}
@@ -161,14 +162,9 @@ def chain(python: str, tmp: Path, resources: str) -> tuple[Procs, dict[str, str]
     procs = Procs(python, tmp)
     urls = {}
     try:
-        if resources == "counter":
-            argv = [
-                str(HERE / "servers.py"),
-                "--kind",
-                "counter",
-                "--port",
-                str(ports["resources"]),
-            ]
+        if resources in ("counter", "copy"):  # bench/nemo_gym_pypi/servers.py's
+            port = str(ports["resources"])
+            argv = [str(HERE / "servers.py"), "--kind", resources, "--port", port]
         else:
             argv = [str(HERE / "env_servers.py"), "--config", str(config), "--name", "resources"]
         urls["resources"] = procs.start("resources", argv, ports["resources"])
