@@ -106,8 +106,10 @@ class ResourcesServer:
         timeout_s: float,
         connect_timeout_s: float,
         max_connections: int,
+        keepalive: bool = True,
     ) -> None:
         self.base_url = base_url
+        self._keepalive = keepalive
         self.retry = retry
         self.timeout_s = timeout_s
         self._connect_timeout_s = connect_timeout_s
@@ -124,7 +126,7 @@ class ResourcesServer:
             "timeout": http.Timeout(self.timeout_s, connect=self._connect_timeout_s),
             "limits": http.Limits(
                 max_connections=self._max_connections,
-                max_keepalive_connections=self._max_connections,
+                max_keepalive_connections=self._max_connections if self._keepalive else 0,
             ),
             "cookies": jar,
             "trust_env": False,  # a resources server is a local service: no proxy

@@ -157,6 +157,11 @@ class Environment(Generic[S]):
     def verifier_id(self) -> tuple[str, str]:
         return (self.verifier_name or self.name, self.verifier_version or self.version)
 
+    def release(self, task: Task, trajectory: Trajectory, state: S) -> None:
+        """A sample the verifier worker dead-letters (its verification kept failing): release
+        what it holds on a server (``nemo-gym`` closes its session). Best effort; default:
+        nothing."""
+
     # -- a reference agent: drives the scripted policy and the audit's reference check
     def reference(self, task: Task, items: list[Item], state: S) -> Item:
         raise NotImplementedError(f"environment {self.name!r} has no reference agent")
@@ -181,6 +186,18 @@ class Environment(Generic[S]):
 
     async def aclose(self) -> None:
         """Release what the async methods opened (a connection pool) at a lease's end."""
+
+    # -- an environment that drives its own episodes (an agent of its own calls the policy
+    # over HTTP: nemo-gym mode=run), instead of the worker's agent loop
+    serves_episodes: bool = False
+    endpoint_address: tuple[str, int] = ("127.0.0.1", 0)  # where the worker serves its policy
+
+    async def arun_served(self, task: Task, state: S, endpoint: Any, save: Any) -> Any:
+        """Run the episode with the worker's policy served at ``endpoint``
+        (``streamrl.policy.endpoint.PolicyEndpoint``: ``open`` the episode's key, let the
+        driver call it, ``close`` it), checkpointing ``state`` through ``save`` before each
+        attempt; returns ``(items, turns, state)``. Only when ``serves_episodes``."""
+        raise NotImplementedError
 
     # -- plumbing the workers use
     def encode_state(self, state: S) -> bytes:

@@ -1,4 +1,9 @@
-"""``nemo-gym``: any NeMo Gym *resources server* as a streamrl environment.
+"""``nemo-gym``: any NeMo Gym *resources server* as a streamrl environment, or (``mode=run``)
+a NeMo Gym 0.7 *environment server* that drives the episode itself (``_nemo_gym_run``).
+
+Kept whole: the two seed protocols, the journal's hooks, verification and both modes share one
+set of options, the row and the state; the HTTP client, the wire values and ``/run`` are in
+``_nemo_gym_http``, ``_nemo_gym_wire`` and ``_nemo_gym_run``.
 
 A resources server is an HTTP service: ``POST /seed_session`` starts a rollout's state,
 ``POST /<tool_name>`` runs one tool, ``POST /verify`` scores the finished rollout, and (NeMo Gym
@@ -47,7 +52,10 @@ model name written into the ``Response`` sent to ``/verify``), ``verifier_versio
 the server's scoring changes, so ``streamrl reverify`` reports the drift), ``taskset`` (the
 typed seed's ``task_id.taskset``, "streamrl"), ``rows`` (a NeMo Gym JSONL file that the
 generator cycles through), ``replay`` (true; false drops a sample whose call was not confirmed
-instead of replaying it).
+instead of replaying it), ``mode`` (``resources``; ``run``: ``base_url`` is an environment
+server), ``policy_endpoint`` (mode=run: the ``host:port`` the rollout worker serves its policy
+on, which the environment server's agent calls as its model server; ``127.0.0.1:0``),
+``run_timeout_s`` (mode=run: one whole ``/run``, 600).
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ import json
 import random
 import time
 import urllib.parse
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import structlog
@@ -70,6 +78,7 @@ from streamrl.envs._nemo_gym_http import (
     seed_answer,
     verify_answer,
 )
+from streamrl.envs._nemo_gym_run import RunClient, arun
 from streamrl.envs._nemo_gym_wire import (
     close_body,
     episode_id,
@@ -124,6 +133,12 @@ class NemoGymState(ExternalState, kw_only=True, omit_defaults=True):
     # the seed: "typed" (0.7's, the id below echoed back), "legacy" (the row, as 0.4), "" (old)
     protocol: str = ""
     resources_session_id: str = ""
+    # mode=run (an environment server drives the episode, ``_nemo_gym_run``): "running" is
+    # checkpointed before /run is sent, "done" with its result
+    run_phase: str = ""
+    run_result: Any = None
+    run_redone: int = 0  # attempts given up because the worker running them died
+    run_failures: list[str] = msgspec.field(default_factory=list)  # attempts that failed
 
 
 class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
@@ -145,6 +160,11 @@ class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
         taskset: str = NEMO_GYM_TASKSET
         rows: str = ""  # a NeMo Gym JSONL dataset: the generator cycles through its rows
         replay: bool = True  # false: a call whose answer was lost drops the sample
+        # "resources": the worker is the agent of a resources server (base_url); "run": base_url
+        # is a NeMo Gym 0.7 environment server whose agent calls the worker's policy endpoint
+        mode: Literal["resources", "run"] = "resources"
+        policy_endpoint: str = "127.0.0.1:0"  # where the worker serves its policy (mode=run)
+        run_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0  # one /run, whole episode
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
@@ -173,6 +193,8 @@ class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
         self._lock: tuple[Any, asyncio.Lock] | None = None  # (its event loop, the lock)
         self.replay = bool(o["replay"])
         self.recoveries = int(o["retries"])
+        self._run = RunClient(url, o) if o["mode"] == "run" else None  # mode=run's /run
+        self.serves_episodes = self._run is not None
 
     @property
     def verifier_id(self) -> tuple[str, str]:
@@ -222,6 +244,19 @@ class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
 
     async def aclose(self) -> None:
         await self._server.aclose()
+        if self._run is not None:
+            await self._run.server.aclose()
+
+    @property
+    def endpoint_address(self) -> tuple[str, int]:  # type: ignore[override]
+        """mode=run: where the rollout worker serves its policy (``policy_endpoint``)."""
+        assert self._run is not None
+        return self._run.address
+
+    async def arun_served(self, task: Task, state: NemoGymState, endpoint: Any, save: Any):
+        """mode=run: the environment server drives the episode (``_nemo_gym_run``)."""
+        assert self._run is not None
+        return await arun(self, self._run, task, state, endpoint, save)
 
     # ---------------------------------------------------------------- the episode
     def reset(self, task: Task) -> NemoGymState:
@@ -344,7 +379,10 @@ class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
         return {**self.row(task), "response": response}
 
     def verify(self, task: Task, trajectory: Trajectory, state: NemoGymState) -> Verdict:
-        """Not pure, unlike other verifiers: the resources server holds the state it scores."""
+        """Not pure, unlike other verifiers: the resources server holds the state it scores.
+        An episode an environment server ran (mode=run) is scored by its ``/run`` result."""
+        if state.run_result is not None:
+            return verdict_from_answer(state.run_result)
         if not state.seeded:  # an episode driven without the async path and with no tool call
             row = self.row(task)  # the legacy body: this path is not checkpointed anyway
             seeded = self._server.post("/seed_session", row, {}, seed_answer)
@@ -353,6 +391,13 @@ class NemoGymEnv(ExternalSessionEnv[NemoGymState]):
         answer = self._server.post("/verify", body, state.cookies, verify_answer).parsed
         self._close_verified(task, state)
         return verdict_from_answer(answer)
+
+    def release(self, task: Task, trajectory: Trajectory, state: NemoGymState) -> None:
+        """A sample dead-lettered at the verifier stage (``/verify`` kept failing, or its
+        rollout failed): its session is closed, as after a verify (an environment server closes
+        its own, mode=run)."""
+        if state.run_result is None and state.seeded:
+            self._close_verified(task, state)
 
     def _close_verified(self, task: Task, state: NemoGymState) -> None:
         """``/close_session`` once ``/verify`` has answered: the session is done. Best effort

@@ -202,16 +202,21 @@ async def _run(
     on_sample: OnSample | None,
 ) -> list[tuple[schema.Trajectory, Verdict | SampleMasked]]:
     """Every episode at once, at most ``2 x max_batch`` in flight so batches fill."""
+    from streamrl.policy.endpoint import Endpoints
     from streamrl.workers.episode import new_session, run_episode
 
     gate = asyncio.Semaphore(2 * policy.max_batch)
+    endpoints = Endpoints(policy)  # an environment server's agent calls it (nemo-gym mode=run)
     results: list[Any] = [None] * len(tasks)
     done = 0
 
     async def one(i: int, task: schema.Task) -> None:
         nonlocal done
         async with gate:
-            trajectory = await run_episode(env, policy, task, new_session(env, task), None, rollout)
+            endpoint = await endpoints.for_env(env)
+            trajectory = await run_episode(
+                env, policy, task, new_session(env, task), None, rollout, endpoint=endpoint
+            )
         try:
             verdict: Verdict | SampleMasked = await asyncio.to_thread(
                 _verify, env, task, trajectory
@@ -232,6 +237,7 @@ async def _run(
     except BaseExceptionGroup as eg:  # one clear error, not a group of them
         raise eg.exceptions[0] from None
     finally:
+        await endpoints.stop()
         await policy.close()
     return results
 

@@ -109,6 +109,31 @@ def _final_text(items: list) -> str | None:
     return None
 
 
+async def run_served(
+    env: Environment, endpoint: object, task: Task, session: Session, commit: Commit | None,
+    worker: str = "",
+) -> Trajectory:  # fmt: skip
+    """An episode that an environment server drives (``serves_episodes``): its agent calls the
+    worker's policy ``endpoint``, which records the model turns; the environment checkpoints
+    each attempt before it starts, so a resumed session redoes the episode as its next attempt
+    (the turns of a dead attempt are dropped with it)."""
+    if endpoint is None:
+        raise RuntimeError(
+            f"environment {env.name!r} drives its own episodes (mode=run): it needs the rollout "
+            "worker's policy endpoint"
+        )
+    if session.turns:  # a dead attempt's turns: that attempt is redone from the start
+        session.turns, session.items, session.tokens = [], list(task.input), 0
+    save = _checkpointer(env, session, task, commit)
+    served = await env.arun_served(task, env.decode_state(session.state), endpoint, save)
+    for turn in served.turns:
+        turn.worker = worker
+    session.items, session.turns = served.items, served.turns
+    session.tokens = sum(len(t.token_ids) for t in served.turns)
+    session.state = env.encode_state(served.state)
+    return finish(task, session, "completed", worker=worker)
+
+
 async def run_episode(
     env: Environment,
     policy: Policy,
@@ -117,7 +142,10 @@ async def run_episode(
     commit: Commit | None,
     config: RolloutConfig,
     worker: str = "",
+    endpoint: object = None,
 ) -> Trajectory:
+    if getattr(env, "serves_episodes", False):
+        return await run_served(env, endpoint, task, session, commit, worker)
     state = env.decode_state(session.state)
     tools = env.tools_for(task)
     save, ended = _no_checkpoint, False

@@ -8,6 +8,12 @@ The worker keeps nothing between episodes: each episode's session is checkpointe
 after every turn, and an episode whose worker died is reclaimed by another worker after
 ``claim_idle_ms`` and resumed from its last committed turn.
 
+Kept whole: a lease's episodes, claims, heartbeats, batched writes and policy share its state.
+
+An environment that drives its own episodes (nemo-gym ``mode=run``: an environment server's
+agent calls "the model" over HTTP) gets the worker's policy served at its address
+(``streamrl.policy.endpoint``), started on first use and stopped with the lease.
+
 Policy health (``streamrl.workers.policy_watch``): a lease starts by loading the newest
 announced policy version; every heartbeat asks the backend to look for a newer one and records
 the version it serves and its last reload error in the run's ``policy_health`` hash. A worker
@@ -44,6 +50,7 @@ from streamrl.defaults import ROLLOUT_GROUP, ROLLOUT_QUEUE
 from streamrl.envs import EnvUnavailable
 from streamrl.envs.external import abandon
 from streamrl.policy import PolicyError, make_policy
+from streamrl.policy.endpoint import Endpoints
 from streamrl.workers import leases
 from streamrl.workers.batcher import Batcher
 from streamrl.workers.context import (
@@ -94,6 +101,7 @@ class _RolloutLease:
         self.finishes: Batcher = Batcher(self._flush_finishes)
         self.cursor = "0-0"
         self.watch = PolicyWatch(r, self.keys, consumer, wake=self.slot)
+        self.endpoints: Endpoints | None = None  # the policy served over HTTP (mode=run)
 
     # ---------------------------------------------------------------- Redis calls (batched)
     async def _flush_commits(self, items: list[tuple[Entry, schema.Session]]) -> list[int]:
@@ -224,9 +232,11 @@ class _RolloutLease:
             if session is None:
                 session = await anew_session(env, task)
             commit = lambda s: self.commits.submit((entry, s))  # noqa: E731
+            endpoint = await self._endpoint(env)
             return await run_episode(
-                env, self.policy, task, session, commit, self.config.rollout, worker=self.consumer
-            )
+                env, self.policy, task, session, commit, self.config.rollout,
+                worker=self.consumer, endpoint=endpoint,
+            )  # fmt: skip
         except (LostClaim, PolicyError):
             raise
         except EnvUnavailable as e:
@@ -236,6 +246,14 @@ class _RolloutLease:
                 session = schema.Session(task_id=task.task_id, items=list(task.input))
             reason = f"environment error: {type(e).__name__}: {e}"
             return finish(task, session, "failed", worker=self.consumer, failure=reason)
+
+    async def _endpoint(self, env: Any) -> Any:
+        """The policy endpoint an environment that drives its own episodes calls (None for the
+        others); one that cannot listen is a policy failure: the task is left for a retry."""
+        try:
+            return await self.endpoints.for_env(env)
+        except OSError as e:
+            raise PolicyError(str(e)) from e
 
     async def _settle(self, entry: Entry, outcome: schema.Trajectory | _DeadLetter) -> None:
         """Write the outcome, fenced: a worker that lost the claim meanwhile writes nothing."""
@@ -294,10 +312,15 @@ class _RolloutLease:
             run=self.run_name,
             env_for=self._env,
         )
+        self.endpoints = Endpoints(self.policy)
         rc = cfg.rollout
         end = started + (self.seconds if self.seconds is not None else rc.lease_seconds)
         heartbeat = None
         try:
+            # the run's environments that drive their own episodes get the policy endpoint
+            # before any task is taken: a worker that cannot listen there fails its lease
+            for name in [e.name for e in cfg.envs] or [cfg.env]:
+                await self.endpoints.for_env(self.table.env(name))
             await self.watch.load()
             await self.policy.refresh()  # serve the newest version from the first task on
             await self.watch.check(self.policy, self.config)
@@ -313,6 +336,7 @@ class _RolloutLease:
             if heartbeat is not None:
                 heartbeat.cancel()
             self.watch.close()
+            await self.endpoints.stop()
             await self.policy.close()
             for env in self.table.envs.values():
                 try:

@@ -9,6 +9,7 @@ reason and its group dropped: a failure is never a reward of 0.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -219,6 +220,8 @@ class _VerifyLease:
                 last_beat = time.monotonic()
             if e.fence > cfg.streams.max_deliveries:
                 failed.append(self._failure(e, f"delivered {e.fence} times to verifiers", None))
+                with contextlib.suppress(Exception):  # what cannot be read holds nothing
+                    self._release(schema.TRAJECTORY.decode(e.payload))
                 continue
             try:
                 traj = schema.check_version(schema.TRAJECTORY.decode(e.payload))
@@ -227,6 +230,7 @@ class _VerifyLease:
                 continue
             if traj.status == "failed":
                 failed.append(self._failure(e, f"rollout failed: {traj.failure}", traj))
+                self._release(traj)
                 continue
             try:
                 env, rewards = self._env(traj.env)
@@ -236,6 +240,7 @@ class _VerifyLease:
                 continue
             except Exception as err:  # VerifyFailure; an environment, a function that cannot load
                 failed.append(self._failure(e, str(err), traj))
+                self._release(traj)
                 continue
             score.rollout_id = e.id
             score.worker = self.consumer
@@ -260,6 +265,16 @@ class _VerifyLease:
             # worker killed in between undercounts by what it had; the dead stream holds all)
             for kind, n in kinds.items():
                 self.r.hincrby(self.keys.stats, kind, n)
+
+    def _release(self, traj: schema.Trajectory) -> None:
+        """A sample dead-lettered here releases what it holds on a server (``nemo-gym``: its
+        session is closed). Best effort: a session left open is a leak, never a reward."""
+        try:
+            env = self._env(traj.env)[0]
+            env.release(traj.task(), traj, env.decode_state(traj.state))
+        except Exception as err:
+            log.warning("could not release a dead-lettered sample", task_id=traj.task_id,
+                        error=repr(err))  # fmt: skip
 
     def _score(self, ok: list[tuple[Entry, schema.Trajectory, schema.Score]]) -> list[tuple]:
         """Add scores to their groups; returns the failures for samples the script refused."""

@@ -86,9 +86,10 @@ def by_label(url: str) -> dict[str, list[dict[str, Any]]]:
 
 
 @contextlib.contextmanager
-def resources_server(log_dir: Path, protocol: str = "mixed") -> Iterator[str]:
+def resources_server(log_dir: Path, protocol: str = "mixed", model_url: str = "") -> Iterator[str]:
     """Start the server in its own process; stop it (by its PID) on the way out.
-    ``protocol``: which seeds it takes (tests/support/nemo_gym_server.py)."""
+    ``protocol``: which seeds it takes (tests/support/nemo_gym_server.py); ``model_url``: it
+    also serves ``/run``, an environment server whose agent calls the model there."""
     port = free_port()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
@@ -103,6 +104,7 @@ def resources_server(log_dir: Path, protocol: str = "mixed") -> Iterator[str]:
             str(port),
             "--protocol",
             protocol,
+            *(["--model-url", model_url] if model_url else []),
         ],
         cwd=ROOT,
         env=env,

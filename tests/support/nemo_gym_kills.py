@@ -131,8 +131,8 @@ def _figures(samples, dead, server, fault_dir, completed, dropped, drained, prom
     attempts: Counter[int] = Counter()
     for s in samples:
         state = msgspec.msgpack.decode(s.trajectory.state)
-        seed = state.get("seed_response") or {}
-        sid = seed.get("session_id") or seed.get("resources_session_id")
+        answer = state.get("seed_response") or {}
+        sid = answer.get("session_id") or answer.get("resources_session_id")
         record = server.get(sid)
         if record is None:
             not_as_recorded += 1
@@ -183,3 +183,142 @@ def _figures(samples, dead, server, fault_dir, completed, dropped, drained, prom
 def random_seed() -> int:
     """The seed of the random kills: ``STREAMRL_KILL_SEED`` to rerun one, else a new one."""
     return int(os.environ.get("STREAMRL_KILL_SEED") or random.randrange(1 << 30))
+
+
+# ---------------------------------------------------------------- mode=run (environment server)
+
+
+def run_mode_rows(prompts: int, seed: int = 0, extra: list[dict[str, Any]] | None = None):
+    return kill_rows(prompts, seed) + list(extra or [])
+
+
+def run_mode_kill_run(
+    redis_url: str,
+    server_url: str,
+    endpoint: str,
+    directory: Path,
+    worker_env: dict[str, str],
+    rows: list[dict[str, Any]],
+    *,
+    faults: str = "after_policy_turn:2",
+    p: float = 1.0,
+    seed: int = 0,
+    run: str = "ng-run-kills",
+    group_size: int = 2,
+    timeout_s: float = 240.0,
+    sessions_url: str | None = "",
+) -> dict[str, Any]:
+    """``rows`` x ``group_size`` samples through an environment server's ``/run`` (mode=run;
+    the worker serves its policy at ``endpoint``), the work horse SIGKILLed at the fault points
+    (``after_policy_turn``: a model turn answered to the server's agent, the episode's /run in
+    flight); the figures, from the resources server's own log (``GET /_sessions`` at
+    ``sessions_url``, default ``server_url``: the test server or bench/nemo_gym_pypi/servers.py's
+    counter; None: no log to read) and the scored trajectories."""
+    if sessions_url == "":
+        sessions_url = server_url
+    log = (lambda: sessions(sessions_url)) if sessions_url else dict
+    fault_dir = directory / "faults"
+    fault_dir.mkdir(parents=True, exist_ok=True)
+    env = {**worker_env, FAILPOINTS: faults, FAILPOINT_DIR: str(fault_dir),
+           FAILPOINT_P: str(p), FAILPOINT_SEED: str(seed)}  # fmt: skip
+    path = write_rows(directory / "rows.jsonl", rows)
+    cfg = RunConfig(
+        run=run,
+        env="nemo-gym",
+        group_size=group_size,
+        env_options={
+            "base_url": server_url,
+            "mode": "run",
+            "policy_endpoint": endpoint,
+            "retries": 2,
+            "run_timeout_s": 60,
+        },
+        policy=PolicyConfig(wrong_rate=0.0, options={"token_vocab": 64}),
+        rollout=RolloutConfig(lease_seconds=30, max_concurrent=16),
+        verify=VerifyConfig(retries=1, timeout_s=30),
+        streams=StreamConfig(claim_idle_ms=1500, heartbeat_s=0.3, max_deliveries=30),
+    )
+    before = set(log())
+    drained = True
+    with LocalPipeline(cfg, url=redis_url, directory=directory / "run", worker_env=env) as pipe:
+        Producer(pipe.r, run).from_jsonl(path, "nemo-gym", group_size)
+        pipe.start_workers(rollout=1, verify=1)
+        try:
+            pipe.wait_groups(len(rows), timeout=timeout_s)
+        except TimeoutError:
+            drained = False
+        samples = [
+            s
+            for _, f in xrange_all(pipe.r, pipe.keys.groups)
+            for s in schema.GROUP.decode(f[b"p"]).samples
+        ]
+        dead = [schema.DEAD_LETTER.decode(f[b"p"]) for _, f in xrange_all(pipe.r, pipe.keys.dead)]
+        scored = [schema.SCORE.decode(f[b"p"]) for _, f in xrange_all(pipe.r, pipe.keys.scored)]
+        completed, dropped = pipe.stat("groups_completed"), pipe.stat("groups_dropped")
+    server = {k: _record(v) for k, v in log().items() if k not in before}
+    by_episode = {
+        (r["episode_id"]["rollout_id"], r["episode_id"]["attempt"]): r
+        for r in server.values()
+        if r.get("episode_id")
+    }
+    twice = not_as_recorded = scored_0 = untokened = turns = 0
+    attempts: Counter[int] = Counter()
+    for s in samples:
+        t = s.trajectory
+        state = msgspec.msgpack.decode(t.state)
+        attempt = (state.get("journal") or {}).get("attempt", 0)
+        attempts[attempt] += 1
+        record = by_episode.get((episode_rollout_id(t.task_id), attempt))
+        expected = _calls(t)
+        if by_episode and (
+            record is None or record["verifies"] != 1 or record["calls"] != expected
+        ):
+            not_as_recorded += 1
+        if record is not None:
+            twice += max(0, len(record["calls"]) - len(expected))
+        scored_0 += s.score.reward == 0.0
+        turns += len(t.turns)
+        untokened += not t.turns or any(not turn.token_ids for turn in t.turns)
+    if not by_episode:  # legacy seeds (or no log): the server does not know the episodes
+        not_as_recorded = twice = None
+    kills = Counter(path.read_text().split()[0] for path in fault_dir.iterdir())
+    ids = [s.task_id for s in scored if s.reward is not None]
+    return {
+        "seed": seed,
+        "samples": group_size * len(rows),
+        "kills": dict(kills),
+        "drained": drained,
+        "groups_completed": completed,
+        "groups_dropped": dropped,
+        "scored": len(samples),
+        "scored_0": scored_0,
+        "scored_twice": len(ids) - len(set(ids)),
+        "dead_letters": {d.task_id: d.reason[:200] for d in dead},
+        "dead_letter_kinds": sorted({d.kind for d in dead}),
+        "calls_applied_twice": twice,
+        "sessions_not_as_recorded": not_as_recorded,
+        "samples_without_tokens": untokened,
+        "model_turns_recorded": turns,
+        "mean_reward": sum(s.score.reward or 0 for s in samples) / max(1, len(samples)),
+        "sessions_seeded": len(server),
+        "sessions_closed": sum(1 for r in server.values() if r.get("closed")),
+        "sessions_leaked": sum(1 for r in server.values() if not r.get("closed")),
+        "sessions_verified": sum(1 for r in server.values() if r["verifies"]),
+        "sessions_leaked_with_calls": sum(
+            1 for r in server.values() if not r.get("closed") and r["calls"]
+        ),
+        "verified_attempts": {str(k): n for k, n in sorted(attempts.items())},
+    }
+
+
+def _record(r: dict[str, Any]) -> dict[str, Any]:
+    """A session record of either server, its calls as the test server logs them (the PyPI
+    counter logs each increment's count)."""
+    calls = [f"increment_counter:{c}" if isinstance(c, int) else c for c in r["calls"]]
+    return {**r, "calls": calls}
+
+
+def episode_rollout_id(task_id: str) -> str:
+    from streamrl.envs._nemo_gym_wire import episode_id
+
+    return episode_id(task_id, 0)["rollout_id"]

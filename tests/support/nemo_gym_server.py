@@ -233,6 +233,27 @@ class ResourcesSeedSessionRequest(BaseModel):
     task_data: dict[str, Any]
 
 
+class RunTaskInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    responses_create_params: dict[str, Any]
+    task_data: dict[str, Any]
+
+
+class MaterializedTask(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    task_id: TaskId
+    task_input: RunTaskInput
+
+
+class RunRequest(BaseModel):
+    """NeMo Gym 0.7's episode request (``BaseEpisodeRequest``), as ``single_agent_turn`` reads
+    it."""
+
+    model_config = ConfigDict(extra="forbid")
+    episode_id: EpisodeId
+    task: MaterializedTask
+
+
 PROTOCOLS = ("mixed", "typed", "legacy")
 
 
@@ -241,8 +262,12 @@ class CounterResourcesServer:
     (0.7's typed seed besides the legacy one: the session keyed by ``resources_session_id``,
     echoed; a closed id refuses a late seed) or ``legacy`` (0.4: no ``/close_session``)."""
 
-    def __init__(self, secret: str = "streamrl-test-secret", protocol: str = "mixed") -> None:
+    def __init__(
+        self, secret: str = "streamrl-test-secret", protocol: str = "mixed", model_url: str = ""
+    ) -> None:
         self.protocol = protocol
+        self.model_url = model_url.rstrip("/")
+        self.failed_once: set[str] = set()  # labels whose first /run failed (run_flaky)
         self.secret = secret
         self.sessions: dict[str, SessionRecord] = {}
         self.seq = 0
@@ -289,7 +314,104 @@ class CounterResourcesServer:
         if self.protocol != "legacy":
             app.post("/close_session")(self.close_session)
         app.get("/_sessions")(self.list_sessions)
+        if self.model_url:
+            app.post("/run")(self.run)
         return app
+
+    # ---------------------------------------------------------------- an environment server
+    async def run(self, body: RunRequest) -> dict[str, Any]:
+        """``POST /run`` as a NeMo Gym 0.7 environment server (``single_agent_turn``'s shape)
+        with its resources in this process: seed a session (keyed by a fresh id, holding the
+        ``episode_id``), run an agent that calls the model at ``model_url`` under the episode's
+        capture key (NeMo Gym's ``/ng-rollout/<key>/v1/responses``) and applies each tool call
+        to the session, verify it, and close it whatever happened (the cleanup a
+        ``CleanupContext`` runs). A model call that fails (the worker serving the episode
+        died, or gave the attempt up) is a non-terminal failure at stage ``agent``. Faults (the
+        row's ``fault``): ``run_terminal`` (a terminal failure), ``run_flaky`` (the first /run
+        of the label fails, not terminal), ``verify_masked``."""
+        import httpx
+
+        ep = body.episode_id
+        key = ep.rollout_id if ep.attempt == 0 else f"{ep.rollout_id}-a{ep.attempt}"
+        data = body.task.task_input.task_data
+        params = body.task.task_input.responses_create_params
+        seed = CounterSeedSessionRequest.model_validate(data)
+
+        def failure(stage: str, reason: str, terminal: bool) -> dict[str, Any]:
+            return {
+                "episode_id": ep.model_dump(),
+                "task_id": body.task.task_id.model_dump(),
+                "failure": {"failure_reason": reason[:2000], "terminal": terminal, "stage": stage},
+            }
+
+        if seed.fault == "run_terminal":
+            return failure("agent", "this task cannot run", True)
+        if seed.fault == "run_flaky" and seed.label not in self.failed_once:
+            self.failed_once.add(seed.label)
+            return failure("agent", "a passing hiccup", False)
+        sid = f"resources-session-{uuid.uuid4().hex}"
+        record = self.sessions[sid] = SessionRecord(
+            label=seed.label, fault=seed.fault, count=seed.initial_count, seeds=1,
+            episode_id=ep.model_dump(),
+        )  # fmt: skip
+        outputs: list[dict[str, Any]] = []
+        try:
+            async with httpx.AsyncClient(timeout=60) as client:
+                for _ in range(8):
+                    request = {**params, "input": [*params["input"], *outputs]}
+                    url = f"{self.model_url}/ng-rollout/{key}/v1/responses"
+                    try:
+                        resp = await client.post(url, json=request)
+                    except httpx.HTTPError as e:
+                        return failure("agent", f"model call failed: {e!r}", False)
+                    if resp.status_code != 200:
+                        reason = f"model call: HTTP {resp.status_code}: {resp.text[:300]}"
+                        return failure("agent", reason, False)
+                    output = resp.json()["output"]
+                    outputs += output
+                    calls = [o for o in output if o["type"] == "function_call"]
+                    if not calls:
+                        break
+                    for call in calls:
+                        outputs.append(
+                            {"type": "function_call_output", "call_id": call["call_id"],
+                             "output": self._apply_call(record, call)}
+                        )  # fmt: skip
+            record.verifies += 1
+            expected = int(data.get("expected_count", 0))
+            response = {
+                "id": f"resp_{key}", "object": "response", "created_at": 0.0, "model": "policy",
+                "output": outputs, "parallel_tool_calls": True, "tool_choice": "auto",
+                "tools": params.get("tools", []),
+            }  # fmt: skip
+            result = {
+                **data, "responses_create_params": params, "response": response,
+                "reward": float(record.count == expected), "counter": record.count,
+                "tool_calls": len(record.calls),
+            }  # fmt: skip
+            if seed.fault == "verify_masked":
+                result |= {"mask_sample": True, "failure_kind": "judge_unavailable",
+                           "failure_reason": "the judge timed out"}  # fmt: skip
+            return {"episode_id": ep.model_dump(), "task_id": body.task.task_id.model_dump(),
+                    "result": result}  # fmt: skip
+        finally:
+            record.closed = True
+
+    def _apply_call(self, record: SessionRecord, call: dict[str, Any]) -> str:
+        import json
+
+        try:
+            args = json.loads(call["arguments"] or "{}")
+        except json.JSONDecodeError as e:
+            return json.dumps({"error": f"Invalid tool call arguments: {e!r}"})
+        if call["name"] == "increment_counter":
+            self.apply(record, f"increment_counter:{args['count']}")
+            record.count += int(args["count"])
+            return json.dumps({"success": True})
+        if call["name"] == "get_counter_value":
+            self.apply(record, "get_counter_value")
+            return json.dumps({"count": record.count})
+        return json.dumps({"error": f"unknown tool {call['name']}"})
 
     async def seed_legacy(self, request: Request, raw: CounterSeedSessionRequest) -> Any:
         """The row (a typed body is read as one, its fields ignored, as 0.4's models do)."""
@@ -426,8 +548,10 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--protocol", choices=PROTOCOLS, default="mixed")
+    ap.add_argument("--model-url", default="", help="serve /run, calling the model here")
     args = ap.parse_args()
-    app = CounterResourcesServer(protocol=args.protocol).setup_webserver()
+    app = CounterResourcesServer(protocol=args.protocol, model_url=args.model_url)
+    app = app.setup_webserver()
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
 
 

@@ -131,6 +131,9 @@ def test_rollouts_train_on_the_server_and_its_failures_are_dead_letters(
     masked = [s for s in scores if s.failure_kind]
     assert [s.failure_kind for s in masked] == ["masked:judge_unavailable"] * 2
     assert all(s.reward is None for s in masked)
+    # a sample dead-lettered at the verifier stage releases its session: closed on the server
+    for label in ("verify5xx", "malformed", "noreward", "masked"):
+        assert [r["closed"] for r in server[label]] == [True, True], (label, server[label])
     assert "after 2 attempts" in dead["tool5xx"].reason
     assert not {"ok1", "ok2", "miss", "flaky"} & set(dead)
 
