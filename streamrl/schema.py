@@ -7,7 +7,10 @@ version, so a reader can reject what it does not understand instead of misreadin
 
 from __future__ import annotations
 
+import sys
 import time
+import zlib
+from array import array
 from typing import Any, Literal
 
 import msgspec
@@ -280,7 +283,7 @@ class JudgeAnswer(_Base, kw_only=True):
 
 _encoder = msgspec.msgpack.Encoder()
 TASK = msgspec.msgpack.Decoder(Task)
-SESSION = msgspec.msgpack.Decoder(Session)
+_SESSION_V1 = msgspec.msgpack.Decoder(Session)
 TRAJECTORY = msgspec.msgpack.Decoder(Trajectory)
 SCORE = msgspec.msgpack.Decoder(Score)
 GROUP = msgspec.msgpack.Decoder(Group)
@@ -292,6 +295,207 @@ JUDGE_ANSWER = msgspec.msgpack.Decoder(JudgeAnswer)
 
 def encode(obj: msgspec.Struct) -> bytes:
     return _encoder.encode(obj)
+
+
+# ---------------------------------------------------------------- the session's packed form
+#
+# A session is rewritten after every turn and holds every token of the episode so far, so its
+# size is what an open episode costs Redis. As plain msgpack (``encode(session)``, the form
+# of streamrl before 2026-11-25) a token id takes 3-5 bytes, a log-prob 9, every turn repeats
+# the whole prompt's token ids (the conversation so far: quadratic in the turns) and each
+# model turn's items are stored twice (in the turn and in the conversation). The packed form:
+#
+# - a model turn's items are a span of the session's items, stored once;
+# - token ids are a little-endian array of uint16 when every id fits (SmolLM2's 49,152-token
+#   vocabulary does), else int32, else int64; log-probs float32 when every one of them
+#   survives the round trip bit for bit (what torch and vLLM sample in), else float64;
+# - a turn's prompt is stored as how much of the previous turn's prompt + completion it
+#   keeps and the tokens that follow (the tool outputs and the chat template's glue);
+# - the whole is zlib-compressed when that makes it smaller.
+#
+# Decoding gives back the same Session, bit for bit: ``encode(SESSION.decode(b))`` equals
+# ``encode(session)``. The blob starts with 0xC1, a byte msgpack never uses, then a format
+# byte, so ``SESSION.decode`` also reads sessions written in the plain form (a rolling
+# upgrade: episodes checkpointed by older workers resume on newer ones). Older workers cannot
+# read the packed form: upgrade every rollout worker of a run together, or let the sessions in
+# flight finish first.
+
+_PACKED = b"\xc1"
+_RAW, _ZLIB = 1, 2
+_LITTLE = sys.byteorder == "little"
+
+
+class _PackedTurn(msgspec.Struct, array_like=True):
+    index: int
+    start: int  # its items are the session's items[start:end] (end < 0: ``items`` holds them)
+    end: int
+    items: list[Item]
+    prompt_keep: int  # leading tokens of the previous turn's prompt + completion it repeats
+    prompt_tail: bytes
+    token_ids: bytes
+    logprobs: bytes
+    policy_version: int
+    finish_reason: str
+    worker: str
+    seconds: float
+
+
+class _PackedSession(msgspec.Struct, array_like=True):
+    v: int
+    task_id: str
+    items: list[Item]
+    turns: list[_PackedTurn]
+    state: bytes
+    tokens: int
+    started_at: float
+    tool_seconds: float
+    claims: int
+    resumed_from_turn: int
+
+
+_PACKED_DECODER = msgspec.msgpack.Decoder(_PackedSession)
+_INT_CODES = ((b"H", 0, 1 << 16), (b"i", -(1 << 31), 1 << 31), (b"q", -(1 << 63), 1 << 63))
+
+
+def _pack(arr: array) -> bytes:
+    if not _LITTLE:
+        arr.byteswap()
+    return arr.typecode.encode() + arr.tobytes()
+
+
+def _unpack(blob: bytes) -> list:
+    if not blob:
+        return []
+    arr = array(blob[:1].decode())
+    arr.frombytes(blob[1:])
+    if not _LITTLE:
+        arr.byteswap()
+    return arr.tolist()
+
+
+def _pack_ids(ids: list[int]) -> bytes:
+    if not ids:
+        return b""
+    low, high = min(ids), max(ids)
+    code = next(c for c, lo, hi in _INT_CODES if lo <= low and high < hi)
+    return _pack(array(code.decode(), ids))
+
+
+def _pack_floats(values: list[float]) -> bytes:
+    if not values:
+        return b""
+    wide = array("d", values)
+    narrow = array("f", values)  # out-of-range values turn to inf here: caught below
+    if array("d", narrow).tobytes() == wide.tobytes():
+        return _pack(narrow)
+    return _pack(wide)
+
+
+def _span(items: list[Item], part: list[Item], start: int) -> int:
+    """Where ``part`` sits in ``items`` at or after ``start``; -1 when it does not."""
+    n = len(part)
+    for i in range(start, len(items) - n + 1):
+        if items[i : i + n] == part:
+            return i
+    return -1
+
+
+class SessionCodec:
+    """``SESSION.encode(session)`` writes the packed form, ``SESSION.decode(blob)`` reads the
+    packed form and the plain one (any ``DecodeError`` for what is neither)."""
+
+    def encode(self, s: Session) -> bytes:
+        turns, cursor, before = [], 0, []
+        for t in s.turns:
+            start = _span(s.items, t.items, cursor)
+            if start >= 0:
+                cursor = start + len(t.items)
+            keep = 0
+            for a, b in zip(before, t.prompt_token_ids, strict=False):
+                if a != b:
+                    break
+                keep += 1
+            turns.append(
+                _PackedTurn(
+                    index=t.index,
+                    start=max(start, 0),
+                    end=cursor if start >= 0 else -1,
+                    items=[] if start >= 0 else t.items,
+                    prompt_keep=keep,
+                    prompt_tail=_pack_ids(t.prompt_token_ids[keep:]),
+                    token_ids=_pack_ids(t.token_ids),
+                    logprobs=_pack_floats(t.logprobs),
+                    policy_version=t.policy_version,
+                    finish_reason=t.finish_reason,
+                    worker=t.worker,
+                    seconds=t.seconds,
+                )
+            )
+            before = [*t.prompt_token_ids, *t.token_ids]
+        body = _encoder.encode(
+            _PackedSession(
+                v=s.v,
+                task_id=s.task_id,
+                items=s.items,
+                turns=turns,
+                state=s.state,
+                tokens=s.tokens,
+                started_at=s.started_at,
+                tool_seconds=s.tool_seconds,
+                claims=s.claims,
+                resumed_from_turn=s.resumed_from_turn,
+            )
+        )
+        packed = zlib.compress(body, 6)
+        if len(packed) < len(body):
+            return _PACKED + bytes([_ZLIB]) + packed
+        return _PACKED + bytes([_RAW]) + body
+
+    def decode(self, blob: bytes) -> Session:
+        if blob[:1] != _PACKED:
+            return _SESSION_V1.decode(blob)
+        try:
+            body = blob[2:] if blob[1:2] == bytes([_RAW]) else None
+            if blob[1:2] == bytes([_ZLIB]):
+                body = zlib.decompress(blob[2:])
+            if body is None:
+                raise ValueError(f"unknown session format {blob[1:2]!r}")
+            p = _PACKED_DECODER.decode(body)
+            turns, before = [], []
+            for t in p.turns:
+                prompt = [*before[: t.prompt_keep], *_unpack(t.prompt_tail)]
+                if t.prompt_keep > len(before):
+                    raise ValueError("a turn keeps more prompt than its previous turn had")
+                turn = ModelTurn(
+                    index=t.index,
+                    items=p.items[t.start : t.end] if t.end >= 0 else t.items,
+                    prompt_token_ids=prompt,
+                    token_ids=_unpack(t.token_ids),
+                    logprobs=_unpack(t.logprobs),
+                    policy_version=t.policy_version,
+                    finish_reason=t.finish_reason,
+                    worker=t.worker,
+                    seconds=t.seconds,
+                )
+                turns.append(turn)
+                before = [*prompt, *turn.token_ids]
+        except (zlib.error, ValueError, TypeError, OverflowError) as e:
+            raise msgspec.DecodeError(f"unreadable packed session: {e}") from e
+        return Session(
+            v=p.v,
+            task_id=p.task_id,
+            items=p.items,
+            turns=turns,
+            state=p.state,
+            tokens=p.tokens,
+            started_at=p.started_at,
+            tool_seconds=p.tool_seconds,
+            claims=p.claims,
+            resumed_from_turn=p.resumed_from_turn,
+        )
+
+
+SESSION = SessionCodec()
 
 
 def check_version(obj: Any) -> Any:

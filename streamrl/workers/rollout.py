@@ -100,7 +100,7 @@ class _RolloutLease:
         keys = [self.keys.tasks] + [self.keys.session(e.task_id) for e, _ in items]
         args: list[Any] = [ROLLOUT_GROUP, self.consumer, self.config.rollout.session_ttl_s]
         for e, s in items:
-            args += [e.id, e.fence, schema.encode(s)]
+            args += [e.id, e.fence, schema.SESSION.encode(s)]  # the packed form
         return await self.scripts.commit(keys=keys, args=args)
 
     async def _flush_finishes(self, items: list[tuple[Entry, schema.Trajectory]]) -> list[int]:
