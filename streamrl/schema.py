@@ -323,6 +323,7 @@ def encode(obj: msgspec.Struct) -> bytes:
 _PACKED = b"\xc1"
 _RAW, _ZLIB = 1, 2
 _LITTLE = sys.byteorder == "little"
+_COMPRESS_FROM = 1024  # bytes: below this zlib saves little and costs more than the packing
 
 
 class _PackedTurn(msgspec.Struct, array_like=True):
@@ -391,6 +392,22 @@ def _pack_floats(values: list[float]) -> bytes:
     return _pack(wide)
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading elements ``a`` and ``b`` share (a turn's prompt usually extends the
+    previous turn's prompt + completion: one list comparison then settles it)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
+    while high - low > 1:
+        mid = (low + high) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
 def _span(items: list[Item], part: list[Item], start: int) -> int:
     """Where ``part`` sits in ``items`` at or after ``start``; -1 when it does not."""
     n = len(part)
@@ -410,11 +427,7 @@ class SessionCodec:
             start = _span(s.items, t.items, cursor)
             if start >= 0:
                 cursor = start + len(t.items)
-            keep = 0
-            for a, b in zip(before, t.prompt_token_ids, strict=False):
-                if a != b:
-                    break
-                keep += 1
+            keep = _common_prefix(before, t.prompt_token_ids)
             turns.append(
                 _PackedTurn(
                     index=t.index,
@@ -446,9 +459,10 @@ class SessionCodec:
                 resumed_from_turn=s.resumed_from_turn,
             )
         )
-        packed = zlib.compress(body, 6)
-        if len(packed) < len(body):
-            return _PACKED + bytes([_ZLIB]) + packed
+        if len(body) >= _COMPRESS_FROM:
+            packed = zlib.compress(body, 6)
+            if len(packed) < len(body):
+                return _PACKED + bytes([_ZLIB]) + packed
         return _PACKED + bytes([_RAW]) + body
 
     def decode(self, blob: bytes) -> Session:
