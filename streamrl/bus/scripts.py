@@ -19,21 +19,15 @@ from __future__ import annotations
 # batch is written once. ``many`` sends a command with a long list of arguments in chunks
 # (Lua's unpack stops at a few thousand values).
 _HELD = """
-local function idparts(id)
-  local ms, seq = string.match(id, '^(%d+)-?(%d*)$')
-  return tonumber(ms), tonumber(seq) or 0
-end
-local function idless(a, b)
-  local am, as = idparts(a); local bm, bs = idparts(b)
-  return am < bm or (am == bm and as < bs)
-end
 local function held(stream, group, consumer, ids)
   local out = {}
   if #ids == 0 then return out end
-  local lo, hi = ids[1], ids[1]
-  for i = 2, #ids do
-    if idless(ids[i], lo) then lo = ids[i] end
-    if idless(hi, ids[i]) then hi = ids[i] end
+  local lo, hi, lom, los, him, his
+  for _, id in ipairs(ids) do
+    local ms, seq = string.match(id, '^(%d+)-?(%d*)$')
+    ms, seq = tonumber(ms), tonumber(seq) or 0
+    if not lo or ms < lom or (ms == lom and seq < los) then lo, lom, los = id, ms, seq end
+    if not hi or ms > him or (ms == him and seq > his) then hi, him, his = id, ms, seq end
   end
   local p = redis.call('XPENDING', stream, group, lo, hi, 1000000000, consumer)
   for _, e in ipairs(p) do out[e[1]] = tonumber(e[4]) end
