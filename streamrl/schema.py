@@ -7,11 +7,12 @@ version, so a reader can reject what it does not understand instead of misreadin
 
 from __future__ import annotations
 
+import struct
 import sys
 import time
 import zlib
 from array import array
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
@@ -299,11 +300,12 @@ def encode(obj: msgspec.Struct) -> bytes:
 
 # ---------------------------------------------------------------- the session's packed form
 #
-# A session is rewritten after every turn and holds every token of the episode so far, so its
-# size is what an open episode costs Redis. As plain msgpack (``encode(session)``, the form
+# A session is checkpointed after every turn and holds every token of the episode so far, so
+# its size is what an open episode costs Redis. As plain msgpack (``encode(session)``, the form
 # of streamrl before 2026-11-25) a token id takes 3-5 bytes, a log-prob 9, every turn repeats
-# the whole prompt's token ids (the conversation so far: quadratic in the turns) and each
-# model turn's items are stored twice (in the turn and in the conversation). The packed form:
+# the whole prompt's token ids (the conversation so far: quadratic in the turns), each model
+# turn's items are stored twice (in the turn and in the conversation), and every checkpoint
+# rewrites all of it. The packed form:
 #
 # - a model turn's items are a span of the session's items, stored once;
 # - token ids are a little-endian array of uint16 when every id fits (SmolLM2's 49,152-token
@@ -311,17 +313,21 @@ def encode(obj: msgspec.Struct) -> bytes:
 #   survives the round trip bit for bit (what torch and vLLM sample in), else float64;
 # - a turn's prompt is stored as how much of the previous turn's prompt + completion it
 #   keeps and the tokens that follow (the tool outputs and the chat template's glue);
-# - the whole is zlib-compressed when that makes it smaller.
+# - a checkpoint appends one *frame* with what changed since the last one (new items, new
+#   turns, the environment state and counters as they are now), zlib-compressed from 1 KB.
 #
-# Decoding gives back the same Session, bit for bit: ``encode(SESSION.decode(b))`` equals
-# ``encode(session)``. The blob starts with 0xC1, a byte msgpack never uses, then a format
-# byte, so ``SESSION.decode`` also reads sessions written in the plain form (a rolling
-# upgrade: episodes checkpointed by older workers resume on newer ones). Older workers cannot
-# read the packed form: upgrade every rollout worker of a run together, or let the sessions in
-# flight finish first.
+# A frame is 0xC1 (a byte msgpack never uses), a format byte (3: msgpack, 4: zlib), the
+# offset in the session's value where the frame starts and its payload's length (uint32 LE
+# each), then the payload. The COMMIT script reads the offset: 0 replaces the value, anything
+# else appends after checking the value is exactly that long (``bus/scripts.py``). Decoding
+# folds the frames and gives back the same Session, bit for bit; ``SESSION.decode`` also reads
+# the plain form, so episodes checkpointed by older workers resume on newer ones. Older
+# workers cannot read frames: upgrade every rollout worker of a run together, or let the
+# sessions in flight finish first.
 
-_PACKED = b"\xc1"
-_RAW, _ZLIB = 1, 2
+_FRAME = 0xC1
+_FRAME_RAW, _FRAME_ZLIB = 3, 4
+_FRAME_HEAD = 10
 _LITTLE = sys.byteorder == "little"
 _COMPRESS_FROM = 1024  # bytes: below this zlib saves little and costs more than the packing
 
@@ -341,10 +347,15 @@ class _PackedTurn(msgspec.Struct, array_like=True):
     seconds: float
 
 
-class _PackedSession(msgspec.Struct, array_like=True):
+class _Frame(msgspec.Struct, array_like=True):
+    """What one checkpoint adds to a session: the items and turns after the first
+    ``items_from`` and ``turns_from``, and every other field as it stands now."""
+
     v: int
     task_id: str
+    items_from: int
     items: list[Item]
+    turns_from: int
     turns: list[_PackedTurn]
     state: bytes
     tokens: int
@@ -354,7 +365,16 @@ class _PackedSession(msgspec.Struct, array_like=True):
     resumed_from_turn: int
 
 
-_PACKED_DECODER = msgspec.msgpack.Decoder(_PackedSession)
+class SessionMark(NamedTuple):
+    """How much of a session its value in Redis holds: its length in bytes and the items and
+    turns in it. The next checkpoint appends a frame with the rest."""
+
+    length: int
+    items: int
+    turns: int
+
+
+_FRAME_DECODER = msgspec.msgpack.Decoder(_Frame)
 _INT_CODES = ((b"H", 0, 1 << 16), (b"i", -(1 << 31), 1 << 31), (b"q", -(1 << 63), 1 << 63))
 
 
@@ -417,39 +437,56 @@ def _span(items: list[Item], part: list[Item], start: int) -> int:
     return -1
 
 
+def _pack_turn(s: Session, i: int, cursor: int) -> tuple[_PackedTurn, int]:
+    t = s.turns[i]
+    before = [*s.turns[i - 1].prompt_token_ids, *s.turns[i - 1].token_ids] if i else []
+    keep = _common_prefix(before, t.prompt_token_ids)
+    start = _span(s.items, t.items, cursor)
+    if start >= 0:
+        cursor = start + len(t.items)
+    packed = _PackedTurn(
+        index=t.index,
+        start=max(start, 0),
+        end=cursor if start >= 0 else -1,
+        items=[] if start >= 0 else t.items,
+        prompt_keep=keep,
+        prompt_tail=_pack_ids(t.prompt_token_ids[keep:]),
+        token_ids=_pack_ids(t.token_ids),
+        logprobs=_pack_floats(t.logprobs),
+        policy_version=t.policy_version,
+        finish_reason=t.finish_reason,
+        worker=t.worker,
+        seconds=t.seconds,
+    )
+    return packed, cursor
+
+
 class SessionCodec:
-    """``SESSION.encode(session)`` writes the packed form, ``SESSION.decode(blob)`` reads the
-    packed form and the plain one (any ``DecodeError`` for what is neither)."""
+    """``SESSION.frame(session, mark)`` packs what a checkpoint adds, ``SESSION.encode`` a
+    whole session (one frame), ``SESSION.decode(value)`` reads the frames of a session's value
+    and the plain form (any ``DecodeError`` for what is neither)."""
 
     def encode(self, s: Session) -> bytes:
-        turns, cursor, before = [], 0, []
-        for t in s.turns:
-            start = _span(s.items, t.items, cursor)
-            if start >= 0:
-                cursor = start + len(t.items)
-            keep = _common_prefix(before, t.prompt_token_ids)
-            turns.append(
-                _PackedTurn(
-                    index=t.index,
-                    start=max(start, 0),
-                    end=cursor if start >= 0 else -1,
-                    items=[] if start >= 0 else t.items,
-                    prompt_keep=keep,
-                    prompt_tail=_pack_ids(t.prompt_token_ids[keep:]),
-                    token_ids=_pack_ids(t.token_ids),
-                    logprobs=_pack_floats(t.logprobs),
-                    policy_version=t.policy_version,
-                    finish_reason=t.finish_reason,
-                    worker=t.worker,
-                    seconds=t.seconds,
-                )
-            )
-            before = [*t.prompt_token_ids, *t.token_ids]
+        return self.frame(s, None)[0]
+
+    def frame(self, s: Session, mark: SessionMark | None) -> tuple[bytes, SessionMark]:
+        """The frame that brings a session's value from ``mark`` (None: nothing, a new value)
+        to ``s``, and the mark after it. Items and turns are only ever appended."""
+        offset, n_items, n_turns = mark if mark is not None else (0, 0, 0)
+        turns, cursor = [], 0
+        if n_turns:
+            last = s.turns[n_turns - 1]
+            cursor = max(0, _span(s.items, last.items, 0)) + len(last.items)
+        for i in range(n_turns, len(s.turns)):
+            packed, cursor = _pack_turn(s, i, cursor)
+            turns.append(packed)
         body = _encoder.encode(
-            _PackedSession(
+            _Frame(
                 v=s.v,
                 task_id=s.task_id,
-                items=s.items,
+                items_from=n_items,
+                items=s.items[n_items:],
+                turns_from=n_turns,
                 turns=turns,
                 state=s.state,
                 tokens=s.tokens,
@@ -459,54 +496,78 @@ class SessionCodec:
                 resumed_from_turn=s.resumed_from_turn,
             )
         )
+        fmt = _FRAME_RAW
         if len(body) >= _COMPRESS_FROM:
-            packed = zlib.compress(body, 6)
-            if len(packed) < len(body):
-                return _PACKED + bytes([_ZLIB]) + packed
-        return _PACKED + bytes([_RAW]) + body
+            packed_body = zlib.compress(body, 6)
+            if len(packed_body) < len(body):
+                fmt, body = _FRAME_ZLIB, packed_body
+        data = bytes([_FRAME, fmt]) + struct.pack("<II", offset, len(body)) + body
+        return data, SessionMark(offset + len(data), len(s.items), len(s.turns))
 
     def decode(self, blob: bytes) -> Session:
-        if blob[:1] != _PACKED:
-            return _SESSION_V1.decode(blob)
+        return self.decode_marked(blob)[0]
+
+    def decode_marked(self, blob: bytes) -> tuple[Session, SessionMark | None]:
+        """The session and its mark (None for the plain form: the next checkpoint rewrites
+        the whole value)."""
+        if blob[:1] != bytes([_FRAME]):
+            return _SESSION_V1.decode(blob), None
+        items: list[Item] = []
+        turns: list[ModelTurn] = []
+        at, last = 0, None
         try:
-            body = blob[2:] if blob[1:2] == bytes([_RAW]) else None
-            if blob[1:2] == bytes([_ZLIB]):
-                body = zlib.decompress(blob[2:])
-            if body is None:
-                raise ValueError(f"unknown session format {blob[1:2]!r}")
-            p = _PACKED_DECODER.decode(body)
-            turns, before = [], []
-            for t in p.turns:
-                prompt = [*before[: t.prompt_keep], *_unpack(t.prompt_tail)]
-                if t.prompt_keep > len(before):
-                    raise ValueError("a turn keeps more prompt than its previous turn had")
-                turn = ModelTurn(
-                    index=t.index,
-                    items=p.items[t.start : t.end] if t.end >= 0 else t.items,
-                    prompt_token_ids=prompt,
-                    token_ids=_unpack(t.token_ids),
-                    logprobs=_unpack(t.logprobs),
-                    policy_version=t.policy_version,
-                    finish_reason=t.finish_reason,
-                    worker=t.worker,
-                    seconds=t.seconds,
-                )
-                turns.append(turn)
-                before = [*prompt, *turn.token_ids]
-        except (zlib.error, ValueError, TypeError, OverflowError) as e:
+            while at < len(blob):
+                head = blob[at : at + _FRAME_HEAD]
+                if len(head) < _FRAME_HEAD or head[0] != _FRAME:
+                    raise ValueError(f"no frame at byte {at}")
+                offset, size = struct.unpack("<II", head[2:])
+                body = blob[at + _FRAME_HEAD : at + _FRAME_HEAD + size]
+                if offset != at or len(body) != size:
+                    raise ValueError(f"a frame at byte {at} says {offset} and {size} bytes")
+                if head[1] == _FRAME_ZLIB:
+                    body = zlib.decompress(body)
+                elif head[1] != _FRAME_RAW:
+                    raise ValueError(f"unknown session frame format {head[1]}")
+                f = _FRAME_DECODER.decode(body)
+                if f.items_from != len(items) or f.turns_from != len(turns):
+                    raise ValueError("a checkpoint of this session is missing")
+                items.extend(f.items)
+                for t in f.turns:
+                    prev = turns[-1] if turns else None
+                    before = [*prev.prompt_token_ids, *prev.token_ids] if prev else []
+                    if t.prompt_keep > len(before):
+                        raise ValueError("a turn keeps more prompt than its previous turn had")
+                    turns.append(
+                        ModelTurn(
+                            index=t.index,
+                            items=items[t.start : t.end] if t.end >= 0 else t.items,
+                            prompt_token_ids=[*before[: t.prompt_keep], *_unpack(t.prompt_tail)],
+                            token_ids=_unpack(t.token_ids),
+                            logprobs=_unpack(t.logprobs),
+                            policy_version=t.policy_version,
+                            finish_reason=t.finish_reason,
+                            worker=t.worker,
+                            seconds=t.seconds,
+                        )
+                    )
+                at += _FRAME_HEAD + size
+                last = f
+        except (zlib.error, ValueError, TypeError, OverflowError, struct.error) as e:
             raise msgspec.DecodeError(f"unreadable packed session: {e}") from e
-        return Session(
-            v=p.v,
-            task_id=p.task_id,
-            items=p.items,
+        assert last is not None
+        session = Session(
+            v=last.v,
+            task_id=last.task_id,
+            items=items,
             turns=turns,
-            state=p.state,
-            tokens=p.tokens,
-            started_at=p.started_at,
-            tool_seconds=p.tool_seconds,
-            claims=p.claims,
-            resumed_from_turn=p.resumed_from_turn,
+            state=last.state,
+            tokens=last.tokens,
+            started_at=last.started_at,
+            tool_seconds=last.tool_seconds,
+            claims=last.claims,
+            resumed_from_turn=last.resumed_from_turn,
         )
+        return session, SessionMark(len(blob), len(items), len(turns))
 
 
 SESSION = SessionCodec()

@@ -296,38 +296,44 @@ def session_size_bench(
     redis_url: str | None = None,
 ) -> dict:
     """Bytes of one realistic session (``realistic_session``) at each checkpoint, in the plain
-    msgpack form (``schema.encode``, streamrl before 2026-11-25) and the packed form
-    (``schema.SESSION.encode``): the blob, and ``MEMORY USAGE`` of the key in a Redis (a
-    private one unless ``redis_url``). ``open_session_bytes_max`` is the largest checkpoint
-    (after the last committed turn), ``turn_delta_bytes_max`` the most one completed turn adds."""
+    msgpack form (``schema.encode``, streamrl before 2026-11-25: every checkpoint rewrites the
+    session) and the packed form (``schema.SESSION``: every checkpoint appends a frame with what
+    its turn added; ``frame_bytes`` is what it sends): the value's length, and ``MEMORY USAGE``
+    of the key in a Redis (a private one unless ``redis_url``) holding the value as the COMMIT
+    script leaves it. Row 0 is the session before any turn, as one frame (what an environment
+    that keeps server sessions checkpoints first). ``open_session_bytes_max`` is the largest
+    value (after the last committed turn); ``checkpoint_bytes_max`` the most one checkpoint of a
+    completed turn writes, ``turn_delta_bytes_max`` the most one adds to ``MEMORY USAGE``."""
     import tempfile
 
     from streamrl import schema
     from streamrl.local.embedded import EmbeddedRedis
 
     sessions = realistic_session(model_dir, prompt_tokens, turns, generated_tokens, tool_tokens)
+    plain_key, packed_key = "srl:{session-size}:plain", "srl:{session-size}:packed"
     with tempfile.TemporaryDirectory(prefix="streamrl-session-size-") as tmp:
         server = None if redis_url else EmbeddedRedis(tmp).start()
         r = redis.Redis.from_url(redis_url or server.url)  # type: ignore[union-attr]
         try:
-            rows = []
+            rows, value, mark = [], b"", None
             for i, s in enumerate(sessions):
-                plain, packed = schema.encode(s), schema.SESSION.encode(s)
-                assert schema.SESSION.decode(packed) == s
-                r.set("srl:{session-size}:plain", plain, ex=600)
-                r.set("srl:{session-size}:packed", packed, ex=600)
+                plain = schema.encode(s)
+                frame, mark = schema.SESSION.frame(s, mark if i > 1 else None)
+                value = frame if i <= 1 else value + frame  # row 1: the first checkpoint
+                assert schema.SESSION.decode(value) == s
+                r.set(plain_key, plain, ex=600)
+                r.set(packed_key, value, ex=600)  # as COMMIT writes it: SET of the whole
                 rows.append(
                     {
                         "turns": i,
                         "plain_bytes": len(plain),
-                        "packed_bytes": len(packed),
-                        "redis_plain_bytes": r.memory_usage("srl:{session-size}:plain", samples=0),
-                        "redis_packed_bytes": r.memory_usage(
-                            "srl:{session-size}:packed", samples=0
-                        ),
+                        "packed_bytes": len(value),
+                        "frame_bytes": len(frame),
+                        "redis_plain_bytes": r.memory_usage(plain_key, samples=0),
+                        "redis_packed_bytes": r.memory_usage(packed_key, samples=0),
                     }
                 )
-            r.delete("srl:{session-size}:plain", "srl:{session-size}:packed")
+            r.delete(plain_key, packed_key)
         finally:
             r.close()
             if server is not None:
@@ -351,6 +357,10 @@ def session_size_bench(
         "open_session_bytes_mean": {
             "plain": round(sum(c["redis_plain_bytes"] for c in committed) / len(committed)),
             "packed": round(sum(c["redis_packed_bytes"] for c in committed) / len(committed)),
+        },
+        "checkpoint_bytes_max": {
+            "plain": max(c["plain_bytes"] for c in committed),
+            "packed": max(c["frame_bytes"] for c in committed[1:]),
         },
         "turn_delta_bytes_max": {
             "plain": growth("redis_plain_bytes"),

@@ -118,22 +118,51 @@ return lost
 )
 
 # KEYS[1]=tasks, KEYS[2..]=session keys. ARGV: group, consumer, ttl, then (id, fence, blob).
+# A blob is a whole session (the plain msgpack form, or a packed frame at offset 0: SET) or a
+# frame that appends to the session's value at the offset its header names (``schema``'s
+# packed form: 0xC1, format, uint32 LE offset, length). A frame is appended only where the
+# value is exactly that long; a frame already there (a re-sent checkpoint) is left as it is.
+# The client sends only the frame: a checkpoint's bytes are what its turn added.
+# Returns per item 1 (written), 0 (not owned) or 2 (the value is not the one this worker
+# appends to, an expired session: the worker writes the whole session again).
 COMMIT = (
     _HELD
     + """
 local stream, group, consumer, ttl = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
+local function offset(blob)
+  if #blob < 10 or string.byte(blob, 1) ~= 0xC1 then return 0 end
+  local a, b, c, d = string.byte(blob, 3, 6)
+  return a + b * 256 + c * 65536 + d * 16777216
+end
 local ids = {}
 for i = 1, #KEYS - 1 do ids[i] = ARGV[4 + (i - 1) * 3] end
 local h = held(stream, group, consumer, ids)
 local out = {}
 for i = 1, #KEYS - 1 do
   local a = 4 + (i - 1) * 3
-  -- the same entry twice in one batch: both checkpoints pass the fence, the last one stays
-  if h[ARGV[a]] ~= nil and h[ARGV[a]] == tonumber(ARGV[a + 1]) then
-    redis.call('SET', KEYS[i + 1], ARGV[a + 2], 'EX', ttl)
-    out[i] = 1
-  else
+  local key, blob = KEYS[i + 1], ARGV[a + 2]
+  -- the same entry twice in one batch: both checkpoints pass the fence, in order
+  if h[ARGV[a]] == nil or h[ARGV[a]] ~= tonumber(ARGV[a + 1]) then
     out[i] = 0
+  else
+    local at = offset(blob)
+    if at == 0 then
+      redis.call('SET', key, blob, 'EX', ttl)
+      out[i] = 1
+    else
+      -- GET and SET rather than APPEND: an appended string keeps up to as much room again
+      -- for growth, which an open session would hold for its whole life
+      local v = redis.call('GET', key)
+      if v and #v == at then
+        redis.call('SET', key, v .. blob, 'EX', ttl)
+        out[i] = 1
+      elseif v and #v == at + #blob and string.sub(v, at + 1) == blob then
+        redis.call('EXPIRE', key, ttl)
+        out[i] = 1
+      else
+        out[i] = 2
+      end
+    end
   end
 end
 return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import struct
+import zlib
 from array import array
 
 import msgspec
@@ -18,7 +19,7 @@ import redis.asyncio
 
 from streamrl import schema
 from streamrl.bus.keys import Keys
-from streamrl.bus.streams import claim_args, ensure_groups, parse_claim, parse_read
+from streamrl.bus.streams import Scripts, claim_args, ensure_groups, parse_claim, parse_read
 from streamrl.config import RolloutConfig, RunConfig
 from streamrl.defaults import ROLLOUT_GROUP, VERIFY_GROUP
 from streamrl.envs import make_env
@@ -84,6 +85,16 @@ class RecordingPolicy(Policy):
         return turn
 
 
+def _frames(value: bytes) -> int:
+    """How many checkpoint frames a session's value holds (each: 0xC1, format, offset, size)."""
+    at, n = 0, 0
+    while at < len(value):
+        assert value[at] == 0xC1 and struct.unpack("<I", value[at + 2 : at + 6])[0] == at
+        at += 10 + struct.unpack("<I", value[at + 6 : at + 10])[0]
+        n += 1
+    return n
+
+
 def _same_turns(turns: list[schema.ModelTurn], produced: dict, task_id: str) -> None:
     assert len(turns) == 4
     for t in turns:
@@ -125,7 +136,8 @@ def test_tokens_and_logprobs_reach_verifier_and_learner_bit_for_bit(redis_url, r
                     args=claim_args(ROLLOUT_GROUP, "W", 0, 9, "0-0", True, keys.session("")),
                 )
             )
-            assert all(e.session and e.session[:1] == b"\xc1" for e in entries)
+            # one frame appended per checkpointed turn, whoever wrote it
+            assert all(_frames(e.session) == rounds for e in entries)
         await r.aclose()
         assert lease.counts["finished"] == 2
         return rounds
@@ -182,13 +194,43 @@ def test_packed_session_is_the_same_session(ids, code):
             assert _bits(a.logprobs) == _bits(b.logprobs)  # NaN != NaN: compare the bits
             a.logprobs = b.logprobs
         assert other == session
-    assert code in zlib_free(packed)
+    body = zlib.decompress(packed[10:]) if packed[1] == 4 else packed[10:]
+    assert code in body
 
 
-def zlib_free(packed: bytes) -> bytes:
-    import zlib
+def test_checkpoints_append_frames_once_and_rewrite_a_lost_session(r, run_name):
+    """The COMMIT script: a frame at offset 0 replaces the value, a later one is appended
+    only where the value is exactly as long as its offset says; a re-sent one changes
+    nothing, and one whose session expired is refused (2) for the worker to write it whole."""
+    keys = Keys(run_name)
+    ensure_groups(r, keys)
+    Producer(r, run_name).from_env(make_env("counter", steps=3), 1, 1, seed=0)
+    (e,) = parse_read(r.xreadgroup(ROLLOUT_GROUP, "W", {keys.tasks: ">"}, count=1))
+    commit = Scripts(r).commit
+    call = schema.FunctionCall(call_id="c", name="add", arguments="{}")
+    session = _session([schema.ModelTurn(index=0, items=[call], token_ids=[1, 2])], [])
+    first, mark = schema.SESSION.frame(session, None)
+    session.turns.append(schema.ModelTurn(index=1, items=[call], token_ids=[3]))
+    session.items.append(call)
+    session.state = b"\x82"
+    second, _ = schema.SESSION.frame(session, mark)
 
-    return zlib.decompress(packed[2:]) if packed[1] == 2 else packed[2:]
+    def put(blob: bytes) -> int:
+        (res,) = commit(
+            keys=[keys.tasks, keys.session(e.task_id)], args=[ROLLOUT_GROUP, "W", 60, e.id, 1, blob]
+        )
+        return res
+
+    assert put(first) == 1 and put(second) == 1
+    assert put(second) == 1  # a re-sent checkpoint (a client retry): not appended twice
+    value = r.get(keys.session(e.task_id))
+    assert value == first + second and schema.SESSION.decode(value) == session
+    other = second[:-1] + bytes([second[-1] ^ 1])  # not what this worker appended there
+    assert put(other) == 2 and r.get(keys.session(e.task_id)) == first + second
+    r.delete(keys.session(e.task_id))  # the session expired
+    assert put(second) == 2 and r.get(keys.session(e.task_id)) is None
+    with pytest.raises(msgspec.DecodeError, match="missing"):
+        schema.SESSION.decode(second.replace(second[2:6], b"\0\0\0\0", 1))
 
 
 def test_packing_covers_every_field_of_a_session_and_a_turn():
@@ -198,11 +240,54 @@ def test_packing_covers_every_field_of_a_session_and_a_turn():
         f.name for f in msgspec.structs.fields(schema._PackedTurn)
     } - {"start", "end", "prompt_keep", "prompt_tail"} | {"prompt_token_ids"}
     assert {f.name for f in msgspec.structs.fields(schema.Session)} == {
-        f.name for f in msgspec.structs.fields(schema._PackedSession)
-    }
+        f.name for f in msgspec.structs.fields(schema._Frame)
+    } - {"items_from", "turns_from"}
 
 
-@pytest.mark.parametrize("blob", [b"\xc1", b"\xc1\x02not zlib", b"\xc1\x09", b"\xc1\x01\x93"])
+def _head(fmt: int, offset: int, size: int) -> bytes:
+    return bytes([0xC1, fmt]) + struct.pack("<II", offset, size)
+
+
+@pytest.mark.parametrize(
+    "blob",
+    [
+        b"\xc1",
+        _head(4, 0, 8) + b"not zlib",
+        _head(9, 0, 1) + b"\x93",
+        _head(3, 0, 1) + b"\x93",
+        _head(3, 0, 5) + b"\x93",  # shorter than it says
+        _head(3, 7, 1) + b"\x93",  # a frame that is not where it says
+    ],
+)
 def test_unreadable_packed_sessions_are_decode_errors(blob):
     with pytest.raises(msgspec.DecodeError):
         schema.SESSION.decode(blob)
+
+
+def test_a_worker_whose_session_expired_writes_it_whole(redis_url, run_name):
+    """The worker appends to the value it last wrote; when that value is gone (its TTL ran
+    out mid-episode) the checkpoint is written whole, not lost and not appended to nothing."""
+    cfg = RunConfig(run=run_name, env="counter", env_options={"steps": 3})
+    keys = Keys(run_name)
+    sync = redis.Redis.from_url(redis_url)
+    ensure_groups(sync, keys)
+    Producer(sync, run_name).from_env(make_env("counter", steps=3), 1, 1, seed=0)
+    (e,) = parse_read(sync.xreadgroup(ROLLOUT_GROUP, "W", {keys.tasks: ">"}, count=1))
+    call = schema.FunctionCall(call_id="c", name="add", arguments="{}")
+    session = _session([schema.ModelTurn(index=0, items=[call], token_ids=[1])], [])
+
+    async def checkpoint() -> list[int]:
+        r = redis.asyncio.Redis.from_url(redis_url)
+        lease = _RolloutLease(r, run_name, "W")
+        lease.config, lease.keys = cfg, keys
+        assert await lease._flush_commits([(e, session)]) == [1]
+        sync.delete(keys.session(e.task_id))  # expired
+        session.turns.append(schema.ModelTurn(index=1, items=[call], token_ids=[2]))
+        session.items.append(call)
+        done = await lease._flush_commits([(e, session)])
+        await r.aclose()
+        return done
+
+    assert asyncio.run(checkpoint()) == [1]
+    assert schema.SESSION.decode(sync.get(keys.session(e.task_id))) == session
+    sync.close()
