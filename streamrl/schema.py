@@ -330,6 +330,7 @@ _FRAME_RAW, _FRAME_ZLIB = 3, 4
 _FRAME_HEAD = 10
 _LITTLE = sys.byteorder == "little"
 _COMPRESS_FROM = 1024  # bytes: below this zlib saves little and costs more than the packing
+_APPEND_FROM = 2048  # bytes: a shorter value is rewritten whole at its next checkpoint
 
 
 class _PackedTurn(msgspec.Struct, array_like=True):
@@ -471,7 +472,11 @@ class SessionCodec:
 
     def frame(self, s: Session, mark: SessionMark | None) -> tuple[bytes, SessionMark]:
         """The frame that brings a session's value from ``mark`` (None: nothing, a new value)
-        to ``s``, and the mark after it. Items and turns are only ever appended."""
+        to ``s``, and the mark after it. Items and turns are only ever appended. A value
+        under ``_APPEND_FROM`` bytes is rewritten whole instead: one SET, and the best
+        compression, for what costs little to send again."""
+        if mark is None or mark.length < _APPEND_FROM:
+            mark = None
         offset, n_items, n_turns = mark if mark is not None else (0, 0, 0)
         turns, cursor = [], 0
         if n_turns:

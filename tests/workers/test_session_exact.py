@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
+import string
 import struct
 import zlib
 from array import array
@@ -85,6 +87,29 @@ class RecordingPolicy(Policy):
         return turn
 
 
+@pytest.fixture
+def appends(monkeypatch):
+    """Checkpoints append frames to values of any size (a value under 2 KB is rewritten whole,
+    and these sessions are small)."""
+    monkeypatch.setattr(schema, "_APPEND_FROM", 0)
+
+
+def test_a_small_session_is_rewritten_whole_and_a_large_one_appended():
+    call = schema.FunctionCall(call_id="c", name="f", arguments="{}")
+    session = _session([schema.ModelTurn(index=0, items=[call], token_ids=[1])], [])
+    _, mark = schema.SESSION.frame(session, None)
+    assert schema.SESSION.frame(session, mark)[0][2:6] == b"\0\0\0\0"  # offset 0: whole
+    noise = "".join(random.Random(0).choices(string.printable, k=4000))  # does not compress
+    session.items.append(schema.FunctionCallOutput(call_id="c", output=noise))
+    big, mark = schema.SESSION.frame(session, mark)
+    assert mark.length >= 2048
+    session.turns.append(schema.ModelTurn(index=1, items=[call], token_ids=[2]))
+    session.items.append(call)
+    frame, _ = schema.SESSION.frame(session, mark)
+    assert struct.unpack("<I", frame[2:6])[0] == len(big) and len(frame) < 200
+    assert schema.SESSION.decode(big + frame) == session
+
+
 def _frames(value: bytes) -> int:
     """How many checkpoint frames a session's value holds (each: 0xC1, format, offset, size)."""
     at, n = 0, 0
@@ -105,7 +130,7 @@ def _same_turns(turns: list[schema.ModelTurn], produced: dict, task_id: str) -> 
         assert t.items == want.items and t.policy_version == 7
 
 
-def test_tokens_and_logprobs_reach_verifier_and_learner_bit_for_bit(redis_url, run_name):
+def test_tokens_and_logprobs_reach_verifier_and_learner_bit_for_bit(redis_url, run_name, appends):
     cfg = RunConfig(
         run=run_name,
         env="counter",
@@ -198,7 +223,7 @@ def test_packed_session_is_the_same_session(ids, code):
     assert code in body
 
 
-def test_checkpoints_append_frames_once_and_rewrite_a_lost_session(r, run_name):
+def test_checkpoints_append_frames_once_and_rewrite_a_lost_session(r, run_name, appends):
     """The COMMIT script: a frame at offset 0 replaces the value, a later one is appended
     only where the value is exactly as long as its offset says; a re-sent one changes
     nothing, and one whose session expired is refused (2) for the worker to write it whole."""
@@ -264,7 +289,7 @@ def test_unreadable_packed_sessions_are_decode_errors(blob):
         schema.SESSION.decode(blob)
 
 
-def test_a_worker_whose_session_expired_writes_it_whole(redis_url, run_name):
+def test_a_worker_whose_session_expired_writes_it_whole(redis_url, run_name, appends):
     """The worker appends to the value it last wrote; when that value is gone (its TTL ran
     out mid-episode) the checkpoint is written whole, not lost and not appended to nothing."""
     cfg = RunConfig(run=run_name, env="counter", env_options={"steps": 3})
