@@ -303,7 +303,8 @@ def session_size_bench(
     script leaves it. Row 0 is the session before any turn, as one frame (what an environment
     that keeps server sessions checkpoints first). ``open_session_bytes_max`` is the largest
     value (after the last committed turn); ``checkpoint_bytes_max`` the most one checkpoint of a
-    completed turn writes, ``turn_delta_bytes_max`` the most one adds to ``MEMORY USAGE``."""
+    completed turn writes (the first one carries the prompt too), ``turn_delta_bytes_max`` the
+    most one adds to ``MEMORY USAGE``."""
     import tempfile
 
     from streamrl import schema
@@ -360,7 +361,7 @@ def session_size_bench(
         },
         "checkpoint_bytes_max": {
             "plain": max(c["plain_bytes"] for c in committed),
-            "packed": max(c["frame_bytes"] for c in committed[1:]),
+            "packed": max(c["frame_bytes"] for c in committed),
         },
         "turn_delta_bytes_max": {
             "plain": growth("redis_plain_bytes"),
