@@ -430,34 +430,41 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def _span(items: list[Item], part: list[Item], start: int) -> int:
-    """Where ``part`` sits in ``items`` at or after ``start``; -1 when it does not."""
+    """Where ``part`` sits in ``items`` at or after ``start``; -1 when it does not. (A turn's
+    items are usually the very objects the conversation holds: ``is`` finds them first.)"""
     n = len(part)
+    if n == 0:
+        return start if start <= len(items) else -1
+    first = part[0]
     for i in range(start, len(items) - n + 1):
-        if items[i : i + n] == part:
+        item = items[i]
+        if (item is first or item == first) and (n == 1 or items[i : i + n] == part):
             return i
     return -1
 
 
 def _pack_turn(s: Session, i: int, cursor: int) -> tuple[_PackedTurn, int]:
     t = s.turns[i]
-    before = [*s.turns[i - 1].prompt_token_ids, *s.turns[i - 1].token_ids] if i else []
-    keep = _common_prefix(before, t.prompt_token_ids)
+    keep = 0
+    if i and t.prompt_token_ids:
+        prev = s.turns[i - 1]
+        keep = _common_prefix([*prev.prompt_token_ids, *prev.token_ids], t.prompt_token_ids)
     start = _span(s.items, t.items, cursor)
     if start >= 0:
         cursor = start + len(t.items)
     packed = _PackedTurn(
-        index=t.index,
-        start=max(start, 0),
-        end=cursor if start >= 0 else -1,
-        items=[] if start >= 0 else t.items,
-        prompt_keep=keep,
-        prompt_tail=_pack_ids(t.prompt_token_ids[keep:]),
-        token_ids=_pack_ids(t.token_ids),
-        logprobs=_pack_floats(t.logprobs),
-        policy_version=t.policy_version,
-        finish_reason=t.finish_reason,
-        worker=t.worker,
-        seconds=t.seconds,
+        t.index,
+        max(start, 0),
+        cursor if start >= 0 else -1,
+        [] if start >= 0 else t.items,
+        keep,
+        _pack_ids(t.prompt_token_ids[keep:]) if t.prompt_token_ids else b"",
+        _pack_ids(t.token_ids),
+        _pack_floats(t.logprobs),
+        t.policy_version,
+        t.finish_reason,
+        t.worker,
+        t.seconds,
     )
     return packed, cursor
 
