@@ -357,15 +357,26 @@ class _RolloutLease:
         self._start(await self._claim(own=True, count=rc.max_concurrent))
         next_stale = next_halt = 0.0
         low_water = max(1, min(rc.read_batch, rc.max_concurrent) // 2)
+        topping = False  # a few free slots waited for a freed one long enough: read for them
         while time.monotonic() < end and self.watch.stale is None:
             cap = rc.max_concurrent - len(self.active)
-            if cap < low_water and self.active:
+            if (cap <= 0 or (cap < low_water and not topping)) and self.active:
+                # wait for episodes to end rather than read a handful of tasks at a time, but
+                # no longer than a read would block: free slots must not sit idle for a whole
+                # episode while tasks wait (a read that came back short while the producer was
+                # still pushing left a worker of 10,000 slots 720 short for 20 s)
                 self.slot.clear()
+                wait = end - time.monotonic()
+                if cap > 0:
+                    wait = min(wait, cfg.streams.block_ms / 1000)
                 try:
-                    await asyncio.wait_for(self.slot.wait(), timeout=end - time.monotonic())
+                    await asyncio.wait_for(self.slot.wait(), timeout=max(0.0, wait))
                 except TimeoutError:
-                    break
+                    if time.monotonic() >= end:
+                        break
+                    topping = True
                 continue
+            topping = False
             now = time.monotonic()
             if now >= next_halt:
                 next_halt = now + 0.5
