@@ -377,6 +377,7 @@ class SessionMark(NamedTuple):
 
 _FRAME_DECODER = msgspec.msgpack.Decoder(_Frame)
 _INT_CODES = ((b"H", 0, 1 << 16), (b"i", -(1 << 31), 1 << 31), (b"q", -(1 << 63), 1 << 63))
+_IDS, _FLOATS = "Hiq", "fd"  # the array types a packed turn may hold
 
 
 def _pack(arr: array) -> bytes:
@@ -385,9 +386,11 @@ def _pack(arr: array) -> bytes:
     return arr.typecode.encode() + arr.tobytes()
 
 
-def _unpack(blob: bytes) -> list:
+def _unpack(blob: bytes, codes: str) -> list:
     if not blob:
         return []
+    if blob[:1].decode() not in codes:
+        raise ValueError(f"an array of type {blob[:1]!r} where one of {codes!r} belongs")
     arr = array(blob[:1].decode())
     arr.frombytes(blob[1:])
     if not _LITTLE:
@@ -399,7 +402,9 @@ def _pack_ids(ids: list[int]) -> bytes:
     if not ids:
         return b""
     low, high = min(ids), max(ids)
-    code = next(c for c, lo, hi in _INT_CODES if lo <= low and high < hi)
+    code = next((c for c, lo, hi in _INT_CODES if lo <= low and high < hi), None)
+    if code is None:
+        raise ValueError(f"a token id outside int64: {low if low < 0 else high}")
     return _pack(array(code.decode(), ids))
 
 
@@ -553,9 +558,12 @@ class SessionCodec:
                         ModelTurn(
                             index=t.index,
                             items=items[t.start : t.end] if t.end >= 0 else t.items,
-                            prompt_token_ids=[*before[: t.prompt_keep], *_unpack(t.prompt_tail)],
-                            token_ids=_unpack(t.token_ids),
-                            logprobs=_unpack(t.logprobs),
+                            prompt_token_ids=[
+                                *before[: t.prompt_keep],
+                                *_unpack(t.prompt_tail, _IDS),
+                            ],
+                            token_ids=_unpack(t.token_ids, _IDS),
+                            logprobs=_unpack(t.logprobs, _FLOATS),
                             policy_version=t.policy_version,
                             finish_reason=t.finish_reason,
                             worker=t.worker,

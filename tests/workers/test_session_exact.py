@@ -273,6 +273,12 @@ def _head(fmt: int, offset: int, size: int) -> bytes:
     return bytes([0xC1, fmt]) + struct.pack("<II", offset, size)
 
 
+def _frame_with_ids(ids: bytes) -> bytes:
+    turn = schema._PackedTurn(0, 0, 0, [], 0, b"", ids, b"", 0, "stop", "", 0.0)
+    body = msgspec.msgpack.encode(schema._Frame(1, "p:0", 0, [], 0, [turn], b"", 0, 0, 0, 1, -1))
+    return _head(3, 0, len(body)) + body
+
+
 @pytest.mark.parametrize(
     "blob",
     [
@@ -282,6 +288,8 @@ def _head(fmt: int, offset: int, size: int) -> bytes:
         _head(3, 0, 1) + b"\x93",
         _head(3, 0, 5) + b"\x93",  # shorter than it says
         _head(3, 7, 1) + b"\x93",  # a frame that is not where it says
+        _frame_with_ids(b"u" + "ab".encode("utf-32-le")),  # token ids that are characters
+        _frame_with_ids(b"H\x01"),  # half a uint16
     ],
 )
 def test_unreadable_packed_sessions_are_decode_errors(blob):
