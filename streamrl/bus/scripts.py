@@ -110,7 +110,11 @@ for i = 3, #ARGV, 2 do ids[#ids + 1] = ARGV[i] end
 local h = held(stream, group, consumer, ids)
 local keep, lost = {}, {}
 for i = 3, #ARGV, 2 do
-  if take(h, ARGV[i], ARGV[i + 1]) then keep[#keep + 1] = ARGV[i] else lost[#lost + 1] = ARGV[i] end
+  if h[ARGV[i]] ~= nil and h[ARGV[i]] == tonumber(ARGV[i + 1]) then
+    keep[#keep + 1] = ARGV[i]
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
 end
 many({'XCLAIM', stream, group, consumer, 0}, keep, {'JUSTID'})
 return lost
