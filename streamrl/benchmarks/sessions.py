@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import redis
 
 from streamrl.config import (
@@ -180,4 +181,190 @@ def sessions_bench(
         "dead_letters": dead,
         "worker_errors": errors,
         "cpus": os.cpu_count(),
+    }
+
+
+# ---------------------------------------------------------------- one realistic session's bytes
+
+
+def _corpus(tok, modules: tuple[str, ...], source: bool) -> list[int]:
+    """Token ids of real text found wherever Python is: the standard library's module
+    docstrings (prose, for what the model writes) or its source (code, for tool outputs)."""
+    import importlib
+    import inspect
+
+    parts = []
+    for name in modules:
+        mod = importlib.import_module(name)
+        parts.append(inspect.getsource(mod) if source else (mod.__doc__ or ""))
+    return tok.encode("\n\n".join(parts)).ids
+
+
+def realistic_session(
+    model_dir: str | Path,
+    prompt_tokens: int = 500,
+    turns: int = 4,
+    generated_tokens: int = 300,
+    tool_tokens: int = 200,
+    seed: int = 0,
+) -> list:
+    """The checkpoints of one episode as a rollout worker writes them: ``Session`` after each
+    of the first ``turns - 1`` model turns (the last turn goes out with the trajectory), built
+    with the model's own tokenizer and SmolLM2's ChatML template. The prompt (system + user) is
+    ``prompt_tokens`` long; each turn the model writes ``generated_tokens`` (prose, then a
+    function call; a plain answer in the last turn) with float32 log-probs, and each call's
+    output is ``tool_tokens`` of code. Returns ``[session before the first turn, after turn
+    1, ...]``."""
+    import json
+    import random
+    import struct
+
+    from tokenizers import Tokenizer
+
+    from streamrl import schema
+
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    prose = _corpus(tok, ("argparse", "typing", "asyncio.tasks", "json", "logging"), False)
+    code = _corpus(tok, ("textwrap", "shlex", "fnmatch", "glob", "base64"), True)
+    rng = random.Random(seed)
+    at = {"prose": 0, "code": 0}
+
+    def take(kind: str, n: int) -> str:
+        ids = prose if kind == "prose" else code
+        a = at[kind]
+        at[kind] = (a + n) % max(1, len(ids) - n)
+        return tok.decode(ids[a : a + n])
+
+    def chat(role: str, text: str) -> str:
+        return f"<|im_start|>{role}\n{text}<|im_end|>\n"
+
+    system = "You are a helpful assistant with tools. " + take("prose", 60)
+    user = take("prose", max(1, prompt_tokens - 80))
+    rendered = chat("system", system) + chat("user", user) + "<|im_start|>assistant\n"
+    while len(tok.encode(rendered).ids) < prompt_tokens:  # top up to the exact length
+        user += " " + take("prose", 1)
+        rendered = chat("system", system) + chat("user", user) + "<|im_start|>assistant\n"
+    prompt = tok.encode(rendered).ids[:prompt_tokens]
+    session = schema.Session(
+        task_id="p0:0",
+        items=[
+            schema.Message(role="system", content=system),
+            schema.Message(role="user", content=user),
+        ],
+        started_at=1764000000.0,
+    )
+    out = [schema.SESSION.decode(schema.encode(session))]
+    for t in range(turns - 1):
+        text = take("prose", generated_tokens - 20)
+        args = json.dumps({"query": take("prose", 12)})
+        items: list = [schema.Reasoning(content=text)]
+        if t < turns - 1:
+            items.append(schema.FunctionCall(call_id=f"call_{t}", name="lookup", arguments=args))
+        written = tok.encode(text + f'<tool_call>{{"name": "lookup", "arguments": {args}}}').ids
+        ids = (written + tok.encode(take("prose", 20)).ids)[:generated_tokens]
+        logprobs = [
+            struct.unpack("f", struct.pack("f", -rng.expovariate(2.5)))[0] for _ in ids
+        ]  # what a sampler hands back: float32
+        turn = schema.ModelTurn(
+            index=t,
+            items=items,
+            prompt_token_ids=prompt,
+            token_ids=ids,
+            logprobs=logprobs,
+            policy_version=3,
+            worker="rollout-worker-1",
+            seconds=1.5,
+        )
+        output = take("code", tool_tokens)
+        session.turns.append(turn)
+        session.items.extend(items)
+        session.items.append(schema.FunctionCallOutput(call_id=f"call_{t}", output=output))
+        session.tokens += len(ids)
+        session.state = msgspec.msgpack.encode({"calls": t + 1, "found": [f"item-{t}"]})
+        prompt = [*prompt, *ids, *tok.encode("<|im_end|>\n" + chat("tool", output)).ids]
+        prompt += tok.encode("<|im_start|>assistant\n").ids
+        out.append(schema.SESSION.decode(schema.encode(session)))  # a copy as it stands
+    return out
+
+
+def session_size_bench(
+    model_dir: str | Path,
+    prompt_tokens: int = 500,
+    turns: int = 4,
+    generated_tokens: int = 300,
+    tool_tokens: int = 200,
+    redis_url: str | None = None,
+) -> dict:
+    """Bytes of one realistic session (``realistic_session``) at each checkpoint, in the plain
+    msgpack form (``schema.encode``, streamrl before 2026-11-25: every checkpoint rewrites the
+    session) and the packed form (``schema.SESSION``: every checkpoint appends a frame with what
+    its turn added; ``frame_bytes`` is what it sends): the value's length, and ``MEMORY USAGE``
+    of the key in a Redis (a private one unless ``redis_url``) holding the value as the COMMIT
+    script leaves it. Row 0 is the session before any turn, as one frame (what an environment
+    that keeps server sessions checkpoints first). ``open_session_bytes_max`` is the largest
+    value (after the last committed turn); ``checkpoint_bytes_max`` the most one checkpoint of a
+    completed turn writes (the first one carries the prompt too), ``turn_delta_bytes_max`` the
+    most one adds to ``MEMORY USAGE``."""
+    import tempfile
+
+    from streamrl import schema
+    from streamrl.local.embedded import EmbeddedRedis
+
+    sessions = realistic_session(model_dir, prompt_tokens, turns, generated_tokens, tool_tokens)
+    plain_key, packed_key = "srl:{session-size}:plain", "srl:{session-size}:packed"
+    with tempfile.TemporaryDirectory(prefix="streamrl-session-size-") as tmp:
+        server = None if redis_url else EmbeddedRedis(tmp).start()
+        r = redis.Redis.from_url(redis_url or server.url)  # type: ignore[union-attr]
+        try:
+            rows, value, mark = [], b"", None
+            for i, s in enumerate(sessions):
+                plain = schema.encode(s)
+                frame, mark = schema.SESSION.frame(s, mark if i > 1 else None)
+                value = frame if i <= 1 else value + frame  # row 1: the first checkpoint
+                assert schema.SESSION.decode(value) == s
+                r.set(plain_key, plain, ex=600)
+                r.set(packed_key, value, ex=600)  # as COMMIT writes it: SET of the whole
+                rows.append(
+                    {
+                        "turns": i,
+                        "plain_bytes": len(plain),
+                        "packed_bytes": len(value),
+                        "frame_bytes": len(frame),
+                        "redis_plain_bytes": r.memory_usage(plain_key, samples=0),
+                        "redis_packed_bytes": r.memory_usage(packed_key, samples=0),
+                    }
+                )
+            r.delete(plain_key, packed_key)
+        finally:
+            r.close()
+            if server is not None:
+                server.stop()
+    committed = rows[1:]
+
+    def growth(key: str) -> int:
+        return max(b[key] - a[key] for a, b in itertools.pairwise(rows))
+
+    return {
+        "model": str(model_dir),
+        "prompt_tokens": prompt_tokens,
+        "turns": turns,
+        "generated_tokens_per_turn": generated_tokens,
+        "tool_tokens_per_turn": tool_tokens,
+        "checkpoints": rows,
+        "open_session_bytes_max": {
+            "plain": max(c["redis_plain_bytes"] for c in committed),
+            "packed": max(c["redis_packed_bytes"] for c in committed),
+        },
+        "open_session_bytes_mean": {
+            "plain": round(sum(c["redis_plain_bytes"] for c in committed) / len(committed)),
+            "packed": round(sum(c["redis_packed_bytes"] for c in committed) / len(committed)),
+        },
+        "checkpoint_bytes_max": {
+            "plain": max(c["plain_bytes"] for c in committed),
+            "packed": max(c["frame_bytes"] for c in committed),
+        },
+        "turn_delta_bytes_max": {
+            "plain": growth("redis_plain_bytes"),
+            "packed": growth("redis_packed_bytes"),
+        },
     }

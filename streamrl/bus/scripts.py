@@ -12,18 +12,49 @@ Every script takes many items, so a worker pays one round trip per batch, not pe
 
 from __future__ import annotations
 
-_OWNS = """
-local function owns(stream, group, id, consumer, fence)
-  local p = redis.call('XPENDING', stream, group, id, id, 1)
-  if #p == 0 then return false end
-  return p[1][2] == consumer and tonumber(p[1][4]) == tonumber(fence)
+# The fence, checked for a whole batch at once: one XPENDING over the range of the batch's entry
+# IDs, restricted to this consumer, reads the delivery count of every entry of the batch that
+# this consumer holds (entries held by others, acked or never delivered are simply absent).
+# ``take`` then checks one entry and removes it from the map, so an entry named twice in one
+# batch is written once. ``many`` sends a command with a long list of arguments in chunks
+# (Lua's unpack stops at a few thousand values).
+_HELD = """
+local function held(stream, group, consumer, ids)
+  local out = {}
+  if #ids == 0 then return out end
+  local lo, hi, lom, los, him, his
+  for _, id in ipairs(ids) do
+    local ms, seq = string.match(id, '^(%d+)-?(%d*)$')
+    ms, seq = tonumber(ms), tonumber(seq) or 0
+    if not lo or ms < lom or (ms == lom and seq < los) then lo, lom, los = id, ms, seq end
+    if not hi or ms > him or (ms == him and seq > his) then hi, him, his = id, ms, seq end
+  end
+  local p = redis.call('XPENDING', stream, group, lo, hi, 1000000000, consumer)
+  for _, e in ipairs(p) do out[e[1]] = tonumber(e[4]) end
+  return out
+end
+local function take(h, id, fence)
+  if h[id] ~= nil and h[id] == tonumber(fence) then h[id] = nil; return true end
+  return false
+end
+local function many(head, list, tail)
+  for j = 1, #list, 1000 do
+    local args = {}
+    for _, a in ipairs(head) do args[#args + 1] = a end
+    for x = j, math.min(j + 999, #list) do args[#args + 1] = list[x] end
+    for _, a in ipairs(tail or {}) do args[#args + 1] = a end
+    redis.call(unpack(args))
+  end
 end
 """
 
 # KEYS[1]=stream. ARGV: group, consumer, min_idle_ms, count, cursor, mode ('stale'|'own'),
 # session_prefix ('' for none). Returns {next_cursor, {{id, task_id, payload, deliveries,
-# session|false}, ...}, {deleted ids}}.
-CLAIM = """
+# session|false}, ...}, {deleted ids}}. Claiming bumps each entry's delivery count: one
+# XPENDING reads the new counts (the fences) of all of them, one MGET their sessions.
+CLAIM = (
+    _HELD
+    + """
 local stream = KEYS[1]
 local group, consumer = ARGV[1], ARGV[2]
 local min_idle, count, cursor, mode, sprefix =
@@ -38,7 +69,7 @@ else
   local r = redis.call('XAUTOCLAIM', stream, group, consumer, min_idle, cursor, 'COUNT', count)
   nextc, entries, deleted = r[1], r[2], r[3] or {}
 end
-local out = {}
+local rows, ids = {}, {}
 for _, e in ipairs(entries) do
   local id, f = e[1], e[2]
   if f then
@@ -46,48 +77,96 @@ for _, e in ipairs(entries) do
     for j = 1, #f, 2 do
       if f[j] == 'id' then tid = f[j + 1] elseif f[j] == 'p' then payload = f[j + 1] end
     end
-    local p = redis.call('XPENDING', stream, group, id, id, 1)
-    local n = 0
-    if #p > 0 then n = p[1][4] end
-    local sess = false
-    if sprefix ~= '' then sess = redis.call('GET', sprefix .. tid) end
-    out[#out + 1] = {id, tid, payload, n, sess}
+    rows[#rows + 1] = {id, tid, payload}
+    ids[#ids + 1] = id
   end
+end
+local h = held(stream, group, consumer, ids)
+local sessions = {}
+if sprefix ~= '' then
+  for j = 1, #rows, 1000 do
+    local ks = {}
+    for x = j, math.min(j + 999, #rows) do ks[#ks + 1] = sprefix .. rows[x][2] end
+    for _, v in ipairs(redis.call('MGET', unpack(ks))) do sessions[#sessions + 1] = v end
+  end
+end
+local out = {}
+for i, row in ipairs(rows) do
+  out[i] = {row[1], row[2], row[3], h[row[1]] or 0, sessions[i] or false}
 end
 return {nextc, out, deleted}
 """
+)
 
 # KEYS[1]=stream. ARGV: group, consumer, then pairs (id, fence). Re-touches owned entries so
-# they do not look idle; returns the ids this consumer no longer owns.
+# they do not look idle (one XCLAIM ... JUSTID for all of them); returns the ids this consumer
+# no longer owns.
 HEARTBEAT = (
-    _OWNS
+    _HELD
     + """
 local stream, group, consumer = KEYS[1], ARGV[1], ARGV[2]
-local lost = {}
+local ids = {}
+for i = 3, #ARGV, 2 do ids[#ids + 1] = ARGV[i] end
+local h = held(stream, group, consumer, ids)
+local keep, lost = {}, {}
 for i = 3, #ARGV, 2 do
-  if owns(stream, group, ARGV[i], consumer, ARGV[i + 1]) then
-    redis.call('XCLAIM', stream, group, consumer, 0, ARGV[i], 'JUSTID')
+  if h[ARGV[i]] ~= nil and h[ARGV[i]] == tonumber(ARGV[i + 1]) then
+    keep[#keep + 1] = ARGV[i]
   else
     lost[#lost + 1] = ARGV[i]
   end
 end
+many({'XCLAIM', stream, group, consumer, 0}, keep, {'JUSTID'})
 return lost
 """
 )
 
 # KEYS[1]=tasks, KEYS[2..]=session keys. ARGV: group, consumer, ttl, then (id, fence, blob).
+# A blob is a whole session (the plain msgpack form, or a packed frame at offset 0: SET) or a
+# frame that appends to the session's value at the offset its header names (``schema``'s
+# packed form: 0xC1, format, uint32 LE offset, length). A frame is appended only where the
+# value is exactly that long; a frame already there (a re-sent checkpoint) is left as it is.
+# The client sends only the frame: a checkpoint's bytes are what its turn added.
+# Returns per item 1 (written), 0 (not owned) or 2 (the value is not the one this worker
+# appends to, an expired session: the worker writes the whole session again).
 COMMIT = (
-    _OWNS
+    _HELD
     + """
 local stream, group, consumer, ttl = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
+local function offset(blob)
+  if #blob < 10 or string.byte(blob, 1) ~= 0xC1 then return 0 end
+  local a, b, c, d = string.byte(blob, 3, 6)
+  return a + b * 256 + c * 65536 + d * 16777216
+end
+local ids = {}
+for i = 1, #KEYS - 1 do ids[i] = ARGV[4 + (i - 1) * 3] end
+local h = held(stream, group, consumer, ids)
 local out = {}
 for i = 1, #KEYS - 1 do
   local a = 4 + (i - 1) * 3
-  if owns(stream, group, ARGV[a], consumer, ARGV[a + 1]) then
-    redis.call('SET', KEYS[i + 1], ARGV[a + 2], 'EX', ttl)
-    out[i] = 1
-  else
+  local key, blob = KEYS[i + 1], ARGV[a + 2]
+  -- the same entry twice in one batch: both checkpoints pass the fence, in order
+  if h[ARGV[a]] == nil or h[ARGV[a]] ~= tonumber(ARGV[a + 1]) then
     out[i] = 0
+  else
+    local at = offset(blob)
+    if at == 0 then
+      redis.call('SET', key, blob, 'EX', ttl)
+      out[i] = 1
+    else
+      -- GET and SET rather than APPEND: an appended string keeps up to as much room again
+      -- for growth, which an open session would hold for its whole life
+      local v = redis.call('GET', key)
+      if v and #v == at then
+        redis.call('SET', key, v .. blob, 'EX', ttl)
+        out[i] = 1
+      elseif v and #v == at + #blob and string.sub(v, at + 1) == blob then
+        redis.call('EXPIRE', key, ttl)
+        out[i] = 1
+      else
+        out[i] = 2
+      end
+    end
   end
 end
 return out
@@ -95,30 +174,47 @@ return out
 )
 
 # KEYS: tasks, rollouts, stats, then session keys. ARGV: group, consumer, then
-# (id, fence, task_id, trajectory blob). Writes the trajectory and acks the task in one step.
+# (id, fence, task_id, trajectory blob). Writes the trajectory and acks the task in one step;
+# the acks and the session deletes of the batch go in one XACK and one DEL.
 FINISH = (
-    _OWNS
+    _HELD
     + """
 local tasks, rollouts, stats = KEYS[1], KEYS[2], KEYS[3]
 local group, consumer = ARGV[1], ARGV[2]
-local out, n = {}, 0
+local ids = {}
+for i = 1, #KEYS - 3 do ids[i] = ARGV[3 + (i - 1) * 4] end
+local h = held(tasks, group, consumer, ids)
+local out, acks, dels = {}, {}, {}
 for i = 1, #KEYS - 3 do
   local a = 3 + (i - 1) * 4
-  local id = ARGV[a]
-  if owns(tasks, group, id, consumer, ARGV[a + 1]) then
+  if take(h, ARGV[a], ARGV[a + 1]) then
     redis.call('XADD', rollouts, '*', 'id', ARGV[a + 2], 'p', ARGV[a + 3])
-    redis.call('XACK', tasks, group, id)
-    redis.call('DEL', KEYS[i + 3])
+    acks[#acks + 1] = ARGV[a]
+    dels[#dels + 1] = KEYS[i + 3]
     out[i] = 1
-    n = n + 1
   else
     out[i] = 0
   end
 end
-if n > 0 then redis.call('HINCRBY', stats, 'trajectories', n) end
+many({'XACK', tasks, group}, acks)
+many({'DEL'}, dels)
+if #acks > 0 then redis.call('HINCRBY', stats, 'trajectories', #acks) end
 return out
 """
 )
+
+# A group's hash while it fills: ``s<k>`` (the Sample's bytes), ``r<k>`` (its reward), ``size``
+# and ``n`` (samples so far). Once the group is written to `groups`, or dropped, the key is
+# replaced by a plain string marker, ``done`` or ``dropped``, with a TTL (one SET, where a hash
+# marker took DEL, HSET and EXPIRE). A hash read of the marker is a WRONGTYPE error, which is
+# how the scripts see a closed group (``redis.pcall``); a hash with a ``state`` field (the
+# marker of streamrl before 2026-11-25) reads as closed too.
+_GROUPS = """
+local function closed(gk)
+  local v = redis.pcall('HGET', gk, 'state')
+  return v ~= false
+end
+"""
 
 # KEYS: rollouts, scored, groups, stats, then group keys. ARGV: group, consumer, schema
 # version, done ttl, then (id, fence, task_id, prompt_id, k, group_size, reward, score blob,
@@ -127,9 +223,11 @@ return out
 # group_size other than the group's first sample's; not acked, the caller dead-letters it).
 # When the last sample of a group arrives, the Group is written to `groups` once:
 # a msgpack array [v, prompt_id, group_size, mean, std, [samples...]] built from the samples'
-# own bytes.
+# own bytes. Each group of the batch is read once (one HMGET) and written once (one HSET, or
+# the group itself and its marker when it completes).
 SCORE = (
-    _OWNS
+    _HELD
+    + _GROUPS
     + """
 local rollouts, scored, groups, stats = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local group, consumer, version, done_ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
@@ -147,47 +245,96 @@ local function valid(k, size, reward, have)
     return false
   end
   if reward ~= reward or reward == math.huge or reward == -math.huge then return false end
-  return not have or tonumber(have) == size
+  return not have or have == size
 end
-local out, added, dup, done = {}, 0, 0, 0
+local items, ids, wanted = {}, {}, {}
 for i = 1, #KEYS - 4 do
   local a = 5 + (i - 1) * 9
-  local id, fence, tid, pid = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
-  local k, size, reward = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
-  local gk = KEYS[4 + i]
-  if not owns(rollouts, group, id, consumer, fence) then
+  local it = {id = ARGV[a], fence = ARGV[a + 1], tid = ARGV[a + 2], pid = ARGV[a + 3],
+    k = tonumber(ARGV[a + 4]), size = tonumber(ARGV[a + 5]), reward = tonumber(ARGV[a + 6]),
+    rs = ARGV[a + 6], score = ARGV[a + 7], sample = ARGV[a + 8], gk = KEYS[4 + i]}
+  items[i], ids[i] = it, it.id
+  wanted[it.gk] = wanted[it.gk] or {}
+  if it.k then table.insert(wanted[it.gk], it.k) end
+end
+local h = held(rollouts, group, consumer, ids)
+-- a group's state, read once per batch: its size, count, whether it is closed, which of the
+-- batch's slots it already holds
+local cache = {}
+local function load(gk)
+  local fields = {'size', 'n', 'state'}
+  for _, k in ipairs(wanted[gk]) do fields[#fields + 1] = 'r' .. k end
+  local v = redis.pcall('HMGET', gk, unpack(fields))
+  local g = {n = 0, closed = true, have = {}, new = {}}
+  if v.err == nil then
+    g.size, g.n, g.closed = tonumber(v[1]), tonumber(v[2]) or 0, v[3] ~= false
+    for j, k in ipairs(wanted[gk]) do if v[3 + j] then g.have[k] = true end end
+  end
+  cache[gk] = g
+  return g
+end
+local function complete(g, it)
+  local size, samples, rewards, need = it.size, {}, {}, {}
+  for _, x in ipairs(g.new) do samples[x.k] = x.sample; rewards[x.k] = x.rs end
+  for j = 0, size - 1 do
+    if not samples[j] then need[#need + 1] = j end
+  end
+  if #need > 0 then
+    local f = {}
+    for _, j in ipairs(need) do f[#f + 1] = 's' .. j; f[#f + 1] = 'r' .. j end
+    local v = redis.call('HMGET', it.gk, unpack(f))
+    for x, j in ipairs(need) do samples[j] = v[2 * x - 1]; rewards[j] = v[2 * x] end
+  end
+  local sum, sq, ordered = 0, 0, {}
+  for j = 0, size - 1 do sum = sum + tonumber(rewards[j]) end
+  local mean = sum / size
+  for j = 0, size - 1 do
+    sq = sq + (tonumber(rewards[j]) - mean) ^ 2
+    ordered[j + 1] = samples[j]
+  end
+  local std = math.sqrt(sq / size)
+  local head = string.char(0x96) .. cmsgpack.pack(version, it.pid, size, mean + 0.0, std + 0.0)
+  local body = head .. arrhdr(size) .. table.concat(ordered)
+  redis.call('XADD', groups, '*', 'id', it.pid, 'p', body)
+  redis.call('SET', it.gk, 'done', 'EX', done_ttl)
+  g.closed = true
+end
+local out, acks, added, dup, done = {}, {}, 0, 0, 0
+for i, it in ipairs(items) do
+  if not (h[it.id] ~= nil and h[it.id] == tonumber(it.fence)) then
     out[i] = 0
-  elseif not valid(k, size, reward, redis.call('HGET', gk, 'size')) then
-    out[i] = 3
   else
-    redis.call('XACK', rollouts, group, id)
-    if redis.call('HGET', gk, 'state') then
-      out[i] = 2; dup = dup + 1
-    elseif redis.call('HSETNX', gk, 's' .. k, ARGV[a + 8]) == 0 then
-      out[i] = 2; dup = dup + 1
+    local g = cache[it.gk] or load(it.gk)
+    if not valid(it.k, it.size, it.reward, g.size) then
+      out[i] = 3
     else
-      redis.call('XADD', scored, '*', 'id', tid, 'p', ARGV[a + 7])
-      redis.call('HSET', gk, 'r' .. k, ARGV[a + 6], 'size', ARGV[a + 5])
-      out[i] = 1; added = added + 1
-      if redis.call('HINCRBY', gk, 'n', 1) == size then
-        local sf, rf = {}, {}
-        for j = 0, size - 1 do sf[#sf + 1] = 's' .. j; rf[#rf + 1] = 'r' .. j end
-        local samples = redis.call('HMGET', gk, unpack(sf))
-        local rewards = redis.call('HMGET', gk, unpack(rf))
-        local sum, sq = 0, 0
-        for j = 1, size do sum = sum + tonumber(rewards[j]) end
-        local mean = sum / size
-        for j = 1, size do sq = sq + (tonumber(rewards[j]) - mean) ^ 2 end
-        local std = math.sqrt(sq / size)
-        local head = string.char(0x96) .. cmsgpack.pack(version, pid, size, mean + 0.0, std + 0.0)
-        local body = head .. arrhdr(size) .. table.concat(samples)
-        redis.call('XADD', groups, '*', 'id', pid, 'p', body)
-        redis.call('DEL', gk)
-        redis.call('HSET', gk, 'state', 'done')
-        redis.call('EXPIRE', gk, done_ttl)
-        done = done + 1
+      h[it.id] = nil
+      acks[#acks + 1] = it.id
+      if g.closed or g.have[it.k] then
+        out[i] = 2; dup = dup + 1
+      else
+        redis.call('XADD', scored, '*', 'id', it.tid, 'p', it.score)
+        g.have[it.k] = true
+        g.new[#g.new + 1] = it
+        g.size, g.n = it.size, g.n + 1
+        out[i] = 1; added = added + 1
+        if g.n == it.size then
+          complete(g, it)
+          done = done + 1
+        end
       end
     end
+  end
+end
+many({'XACK', rollouts, group}, acks)
+for gk, g in pairs(cache) do
+  if not g.closed and #g.new > 0 then
+    local f = {'HSET', gk}
+    for _, x in ipairs(g.new) do
+      f[#f + 1] = 's' .. x.k; f[#f + 1] = x.sample; f[#f + 1] = 'r' .. x.k; f[#f + 1] = x.rs
+    end
+    f[#f + 1] = 'size'; f[#f + 1] = g.size; f[#f + 1] = 'n'; f[#f + 1] = g.n
+    redis.call(unpack(f))
   end
 end
 if added > 0 then redis.call('HINCRBY', stats, 'scored', added) end
@@ -203,32 +350,37 @@ return out
 # their session, and closes their group as dropped: a group with a failed sample is never
 # trained on. Returns per item 1 (dead-lettered) or 0 (not owned).
 DEADLETTER = (
-    _OWNS
+    _HELD
+    + _GROUPS
     + """
 local stream, dead, scored, stats = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local group, consumer, done_ttl = ARGV[1], ARGV[2], ARGV[3]
-local out, n, dropped = {}, 0, 0
-for i = 1, (#KEYS - 4) / 2 do
+local nitems = (#KEYS - 4) / 2
+local ids = {}
+for i = 1, nitems do ids[i] = ARGV[4 + (i - 1) * 5] end
+local h = held(stream, group, consumer, ids)
+local out, acks, dels, dropped = {}, {}, {}, 0
+for i = 1, nitems do
   local a = 4 + (i - 1) * 5
   local id, fence, tid = ARGV[a], ARGV[a + 1], ARGV[a + 2]
   local sk, gk = KEYS[4 + (i - 1) * 2 + 1], KEYS[4 + (i - 1) * 2 + 2]
-  if owns(stream, group, id, consumer, fence) then
+  if take(h, id, fence) then
     redis.call('XADD', dead, '*', 'id', tid, 'p', ARGV[a + 3])
     if ARGV[a + 4] ~= '' then redis.call('XADD', scored, '*', 'id', tid, 'p', ARGV[a + 4]) end
-    redis.call('XACK', stream, group, id)
-    redis.call('DEL', sk)
-    if not redis.call('HGET', gk, 'state') then
-      redis.call('DEL', gk)
-      redis.call('HSET', gk, 'state', 'dropped')
-      redis.call('EXPIRE', gk, done_ttl)
+    acks[#acks + 1] = id
+    dels[#dels + 1] = sk
+    if not closed(gk) then
+      redis.call('SET', gk, 'dropped', 'EX', done_ttl)
       dropped = dropped + 1
     end
-    out[i] = 1; n = n + 1
+    out[i] = 1
   else
     out[i] = 0
   end
 end
-if n > 0 then redis.call('HINCRBY', stats, 'dead_letters', n) end
+many({'XACK', stream, group}, acks)
+many({'DEL'}, dels)
+if #acks > 0 then redis.call('HINCRBY', stats, 'dead_letters', #acks) end
 if dropped > 0 then redis.call('HINCRBY', stats, 'groups_dropped', dropped) end
 return out
 """

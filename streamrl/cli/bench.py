@@ -86,6 +86,43 @@ def bench_sessions(sessions, turns, latency_s, rollout_workers, verify_workers, 
     report(res, as_json, failed=bool(res["lost"] or res["duplicated"] or res["dead_letters"]))
 
 
+@bench.command("session-size")
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(exists=True, file_okay=False),
+    default="models/smollm2-135m",
+    show_default=True,
+    help="A model directory with tokenizer.json (its tokenizer counts the tokens).",
+)
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=500, show_default=True)
+@click.option("--turns", type=click.IntRange(min=2), default=4, show_default=True)
+@click.option(
+    "--generated-tokens",
+    type=click.IntRange(min=1),
+    default=300,
+    show_default=True,
+    help="Tokens the model writes per turn.",
+)
+@click.option(
+    "--tool-tokens",
+    type=click.IntRange(min=1),
+    default=200,
+    show_default=True,
+    help="Tokens of each tool output.",
+)
+@click.option("--json", "as_json", is_flag=True)
+def bench_session_size(
+    model_dir, prompt_tokens, turns, generated_tokens, tool_tokens, as_json
+) -> None:
+    """Redis bytes of one realistic episode's session at each checkpoint, plain msgpack
+    against the packed form rollout workers write."""
+    from streamrl.benchmarks.sessions import session_size_bench
+
+    res = session_size_bench(model_dir, prompt_tokens, turns, generated_tokens, tool_tokens)
+    report(res, as_json)
+
+
 @bench.command("nemo-gym")
 @click.option("--base-url", required=True, help="The resources server (http://host:port).")
 @click.option(

@@ -98,6 +98,8 @@ class _RolloutLease:
         self.slot = asyncio.Event()
         self.counts = {"finished": 0, "lost_claim": 0, "dead_lettered": 0, "policy_errors": 0}
         self.commits: Batcher = Batcher(self._flush_commits)
+        # per held entry: how much of its session the value in Redis holds (appends go after)
+        self.marks: dict[str, schema.SessionMark] = {}
         self.finishes: Batcher = Batcher(self._flush_finishes)
         self.cursor = "0-0"
         self.watch = PolicyWatch(r, self.keys, consumer, wake=self.slot)
@@ -105,11 +107,32 @@ class _RolloutLease:
 
     # ---------------------------------------------------------------- Redis calls (batched)
     async def _flush_commits(self, items: list[tuple[Entry, schema.Session]]) -> list[int]:
-        keys = [self.keys.tasks] + [self.keys.session(e.task_id) for e, _ in items]
+        """Checkpoint sessions: each appends a frame with what changed since its last
+        checkpoint (``schema.SESSION``); one whose value in Redis is not the one this worker
+        appends to (it expired) is written whole."""
+        res = await self._commit([(e, s, self.marks.get(e.id)) for e, s in items])
+        again = [i for i, r in enumerate(res) if r == 2]
+        if again:
+            redo = await self._commit([(items[i][0], items[i][1], None) for i in again])
+            for i, r in zip(again, redo, strict=True):
+                res[i] = r
+        return [int(r == 1) for r in res]
+
+    async def _commit(
+        self, items: list[tuple[Entry, schema.Session, schema.SessionMark | None]]
+    ) -> list[int]:
+        keys = [self.keys.tasks] + [self.keys.session(e.task_id) for e, _, _ in items]
         args: list[Any] = [ROLLOUT_GROUP, self.consumer, self.config.rollout.session_ttl_s]
-        for e, s in items:
-            args += [e.id, e.fence, schema.encode(s)]
-        return await self.scripts.commit(keys=keys, args=args)
+        marks = []
+        for e, s, mark in items:
+            frame, after = schema.SESSION.frame(s, mark)
+            args += [e.id, e.fence, frame]
+            marks.append(after)
+        res = list(await self.scripts.commit(keys=keys, args=args))
+        for (e, _, _), r, after in zip(items, res, marks, strict=True):
+            if r == 1:
+                self.marks[e.id] = after
+        return res
 
     async def _flush_finishes(self, items: list[tuple[Entry, schema.Trajectory]]) -> list[int]:
         k = self.keys
@@ -206,16 +229,17 @@ class _RolloutLease:
             return _DeadLetter(f"undecodable task: {e}")
         return await self._play(entry, task, self._resumed(entry))
 
-    @staticmethod
-    def _resumed(entry: Entry) -> schema.Session | None:
+    def _resumed(self, entry: Entry) -> schema.Session | None:
         """The session a previous claim checkpointed; None starts the episode afresh."""
         if not entry.session:
             return None
         try:
-            session = schema.SESSION.decode(entry.session)
+            session, mark = schema.SESSION.decode_marked(entry.session)
         except msgspec.DecodeError as e:
             log.warning("unreadable session, restarting episode", error=str(e))
             return None
+        if mark is not None:  # the next checkpoint appends to what was read
+            self.marks[entry.id] = mark
         session.claims += 1
         session.resumed_from_turn = len(session.turns)
         return session
@@ -280,6 +304,7 @@ class _RolloutLease:
 
     def _release(self, entry: Entry) -> None:
         self.held.pop(entry.id, None)
+        self.marks.pop(entry.id, None)
         self.active.pop(entry.id, None)
         self.slot.set()
 
@@ -356,15 +381,26 @@ class _RolloutLease:
         self._start(await self._claim(own=True, count=rc.max_concurrent))
         next_stale = next_halt = 0.0
         low_water = max(1, min(rc.read_batch, rc.max_concurrent) // 2)
+        topping = False  # a few free slots waited for a freed one long enough: read for them
         while time.monotonic() < end and self.watch.stale is None:
             cap = rc.max_concurrent - len(self.active)
-            if cap < low_water and self.active:
+            if (cap <= 0 or (cap < low_water and not topping)) and self.active:
+                # wait for episodes to end rather than read a handful of tasks at a time, but
+                # no longer than a read would block: free slots must not sit idle for a whole
+                # episode while tasks wait (a read that came back short while the producer was
+                # still pushing left a worker of 10,000 slots 720 short for 20 s)
                 self.slot.clear()
+                wait = end - time.monotonic()
+                if cap > 0:
+                    wait = min(wait, cfg.streams.block_ms / 1000)
                 try:
-                    await asyncio.wait_for(self.slot.wait(), timeout=end - time.monotonic())
+                    await asyncio.wait_for(self.slot.wait(), timeout=max(0.0, wait))
                 except TimeoutError:
-                    break
+                    if time.monotonic() >= end:
+                        break
+                    topping = True
                 continue
+            topping = False
             now = time.monotonic()
             if now >= next_halt:
                 next_halt = now + 0.5

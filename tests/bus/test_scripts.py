@@ -268,3 +268,75 @@ def test_score_refuses_a_sample_whose_group_size_disagrees_with_its_group(r, k, 
     assert sc.score(keys=keys, args=args) == [1, 1]
     g = schema.GROUP.decode(r.xrange(k.groups)[0][1][b"p"])
     assert g.group_size == 3 and sorted(s.score.k for s in g.samples) == [0, 1, 2]
+
+
+def _command_calls(r) -> dict[str, int]:
+    return {k.removeprefix("cmdstat_"): v["calls"] for k, v in r.info("commandstats").items()}
+
+
+def _commands_since(r, before: dict[str, int], skip=("info", "evalsha", "script|load")) -> dict:
+    now = _command_calls(r)
+    return {
+        k: n - before.get(k, 0) for k, n in now.items() if n != before.get(k, 0) and k not in skip
+    }
+
+
+def test_a_batch_pays_one_command_per_entry_written_and_one_per_group(r, k, sc):
+    """Redis's work per trajectory (issue 24): a batch's fence check, acks and session deletes
+    are one command each, whatever the batch's size, and each group of a scoring batch is read
+    once and, when it completes, written to `groups` and closed with one command each."""
+    ensure_groups(r, k)
+    _push(r, k, [_task(p, i, 4) for p in range(2) for i in range(4)])
+    entries = _read(r, k, "A")
+    before = _command_calls(r)
+    assert sc.heartbeat(keys=[k.tasks], args=heartbeat_args(ROLLOUT_GROUP, "A", entries)) == []
+    assert _commands_since(r, before) == {"xpending": 1, "xclaim": 1}
+    keys = [k.tasks, k.rollouts, k.stats] + [k.session(e.task_id) for e in entries]
+    args: list = [ROLLOUT_GROUP, "A"]
+    for e in entries:
+        args += [e.id, e.fence, e.task_id, e.payload]
+    before = _command_calls(r)
+    assert sc.finish(keys=keys, args=args) == [1] * 8
+    assert _commands_since(r, before) == {
+        "xpending": 1,
+        "xadd": 8,
+        "xack": 1,
+        "del": 1,
+        "hincrby": 1,
+    }
+    rollouts = _read(r, k, "V", k.rollouts, VERIFY_GROUP)
+    keys, args = _score_call(k, [(e, float(i % 2)) for i, e in enumerate(rollouts)], size=4)
+    before = _command_calls(r)
+    assert sc.score(keys=keys, args=args) == [1] * 8
+    # 8 scores and 2 groups written, each group read once (HMGET) and closed once (SET)
+    assert _commands_since(r, before) == {
+        "xpending": 1, "xadd": 10, "hmget": 2, "set": 2, "xack": 1, "hincrby": 2
+    }  # fmt: skip
+    assert [schema.GROUP.decode(f[b"p"]).prompt_id for _, f in r.xrange(k.groups)] == ["p0", "p1"]
+
+
+def test_groups_written_by_the_previous_scripts_are_read_as_they_were(r, k, sc):
+    """A rolling upgrade: a group half filled by the previous SCORE script (a hash with
+    ``s<k>``, ``r<k>``, ``size``, ``n``) completes, and its closed-group marker (a hash with
+    ``state``) keeps refusing samples, for scoring and for dead-lettering alike."""
+    ensure_groups(r, k)
+    for t in [_task(5, 1), _task(6, 0), _task(6, 1)]:
+        r.xadd(k.rollouts, {"id": t.task_id, "p": schema.encode(t)})
+    e51, e60, e61 = _read(r, k, "V", k.rollouts, VERIFY_GROUP)
+    first = schema.Sample(
+        score=schema.Score(task_id="p5:0", prompt_id="p5", k=0, reward=1.0),
+        trajectory=schema.Trajectory(
+            task_id="p5:0", prompt_id="p5", k=0, group_size=2, env="counter", items=[],
+            turns=[], status="completed",
+        ),
+    )  # fmt: skip
+    r.hset(k.group("p5"), mapping={"s0": schema.encode(first), "r0": "1.0", "size": 2, "n": 1})
+    r.hset(k.group("p6"), "state", "done")
+    keys, args = _score_call(k, [(e51, 0.0), (e60, 1.0)])
+    assert sc.score(keys=keys, args=args) == [1, 2]
+    g = schema.GROUP.decode(r.xrange(k.groups)[0][1][b"p"])
+    assert g.prompt_id == "p5" and [s.score.reward for s in g.samples] == [1.0, 0.0]
+    dl = schema.encode(schema.DeadLetter(stage="verify", entry_id=e61.id, reason="boom"))
+    keys, args = deadletter_call(k, k.rollouts, VERIFY_GROUP, "V", [(e61, dl, b"")], False)
+    assert sc.deadletter(keys=keys, args=args) == [1]
+    assert r.hget(k.stats, "groups_dropped") is None  # p6 was closed already

@@ -19,6 +19,13 @@ def test_bench_pipeline_default_is_single_turn_and_clean(tmp_path):
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["turns"] == 1 and res["trajectories"] == 12 and res["groups"] == 6
     assert res["lost"] == 0 and res["duplicated"] == 0 and res["dead_letters"] == 0
+    # Redis's work by command name: the table adds up to the total, scripts included
+    calls = sum(c["calls"] for c in res["commands"].values())
+    assert calls == pytest.approx(
+        res["redis_commands_per_trajectory"], abs=0.01 * len(res["commands"])
+    )
+    assert res["commands"]["evalsha"]["calls"] > 0 and res["commands"]["xadd"]["usec"] > 0
+    assert 0 < res["redis_usec_per_trajectory"] < sum(c["usec"] for c in res["commands"].values())
 
 
 def test_report_exits_1_when_the_run_lost_work(capsys):
