@@ -15,9 +15,11 @@ functions score the episode in the verifier worker.
   finished traces (verifiers' ``Trace`` JSON, and each trace's ``state`` JSON, which verifiers
   leaves out of a trace's serialization) are the environment state.
 - **Scoring** (verifier worker): the task's ``@vf.reward`` / ``@vf.metric`` functions and
-  plugged judges (``Task.score(trace)``, without a runtime: signals that need the episode's
-  runtime are skipped, as verifiers skips them offline), on top of rewards the ``Env``'s own
-  ``run()`` recorded on the trace (a game's outcome). The reward is ``Trace.reward`` (the
+  plugged judges (``Task.score(trace)``, without a runtime), on top of rewards the ``Env``'s
+  own ``run()`` recorded on the trace (a game's outcome). A reward or judge that needs the
+  episode's runtime (its sandbox: files the agent wrote) cannot run there: such a sample is a
+  verifier failure, dead-lettered, never a partial sum; a metric that needs it is skipped, as
+  verifiers skips it offline. The reward is ``Trace.reward`` (the
   weighted sum), averaged over the episode's traces; each reward and metric is kept in
   ``Score.info`` and ``components`` (``reward.<name>``, ``metric.<name>``).
 - **Attempts**: the attempt is checkpointed as *running* before the episode starts. A worker
@@ -304,6 +306,13 @@ class VerifiersEnv(Environment[VerifiersState]):
         metrics: dict[str, float] = {}
         total = 0.0
         infos: list[dict[str, Any]] = []
+        vf_task = self.vf_task(task)
+        needs_runtime = _runtime_signals(vf_task)
+        if needs_runtime:  # scored without them, the reward would be a silent partial sum
+            raise ValueError(
+                f"the task's reward functions {needs_runtime} need the episode's runtime "
+                "(its sandbox), which the verifier worker does not have"
+            )
         for raw, raw_state in zip(state.traces, state.trace_states, strict=True):
             trace = Trace.model_validate_json(raw)
             if raw_state:
@@ -334,6 +343,18 @@ class VerifiersEnv(Environment[VerifiersState]):
         """No reference agent: verifiers tasks carry no reference answer in general. The
         scripted policy answers with this fixed message (the pipeline's tests)."""
         return Message(role="assistant", content="I am done.")
+
+
+def _runtime_signals(vf_task: Any) -> list[str]:
+    """The task's rewards and judges that take the episode's ``runtime`` (no default)."""
+    import inspect
+
+    def needs(fn: Any) -> bool:
+        param = inspect.signature(fn).parameters.get("runtime")
+        return param is not None and param.default is inspect.Parameter.empty
+
+    out = [fn.__name__ for fn in vf_task.hooks("reward") if needs(fn)]
+    return out + [j.reward_name for j in vf_task.plugged_judges() if needs(j.score)]
 
 
 def _state_json(trace: Any) -> str:

@@ -1,6 +1,6 @@
 """The rollout worker's policy served over HTTP: an OpenAI-compatible endpoint inside the worker
 process, for environments whose own agent drives the episode and calls "the model" over HTTP
-(NeMo Gym 0.7's environment servers; PrimeIntellect ``verifiers`` next).
+(NeMo Gym 0.7's environment servers, PrimeIntellect ``verifiers``' harnesses).
 
 Each request is answered by the worker's policy backend (``hf``, ``openai``, ``scripted``) and
 recorded, with its prompt token ids, completion token ids, behaviour log-probs and policy
