@@ -177,12 +177,14 @@ class VerifiersEnv(Environment[VerifiersState]):
 
     def vf_env(self) -> Any:
         if self._env is None:
+            _vf()
             from verifiers.v1.utils.loaders import load_environment
 
             self._env = load_environment(self.env_config())
         return self._env
 
     def task_class(self) -> Any:
+        _vf()
         from verifiers.v1.utils.loaders import task_type
 
         return task_type(self.options["taskset"])
@@ -236,6 +238,7 @@ class VerifiersEnv(Environment[VerifiersState]):
         return env
 
     async def aclose(self) -> None:
+        self._serving_lock = None  # bound to this lease's event loop
         if self._serving is not None:
             stack, self._serving = self._serving, None
             await stack.aclose()
