@@ -11,6 +11,7 @@ The work horse SIGKILLs itself right after answering a model turn (``--kills`` t
 episodes then in flight die with it): each is redone from the start as the next attempt.
 
     .venv-verifiers/bin/python bench/verifiers_env.py [--prompts 4] [--kills 1]
+        [--model models/smollm2-135m]   (the hf backend on that model instead of scripted)
 
 Needs ``verifiers==0.4.0`` and ``uv`` importable/on PATH in the Python that runs it
 (``python tests/support/verifiers_venv.py`` makes ``.venv-verifiers``). Prints one JSON
@@ -44,6 +45,7 @@ from streamrl.envs.registry import make_env  # noqa: E402
 from streamrl.local.embedded import EmbeddedRedis  # noqa: E402
 from streamrl.local.pipeline import LocalPipeline, xrange_all  # noqa: E402
 from streamrl.producer.produce import Producer  # noqa: E402
+from streamrl.schema import Message  # noqa: E402
 from tests.support.nemo_gym import free_port, resources_server, sessions  # noqa: E402
 from tests.support.nemo_gym_kills import FAILPOINT_DIR, FAILPOINTS  # noqa: E402
 
@@ -63,7 +65,11 @@ def rows(prompts: int) -> list[dict]:
     ]
 
 
-def run(prompts: int, kills: int, group_size: int, directory: Path) -> dict:
+def last_answer(items: list) -> str | None:
+    return next((i.content for i in reversed(items) if isinstance(i, Message)), None)
+
+
+def run(prompts: int, kills: int, group_size: int, directory: Path, model: str = "") -> dict:
     directory.mkdir(parents=True, exist_ok=True)
     dataset = directory / "rows.jsonl"
     dataset.write_text("".join(json.dumps(r) + "\n" for r in rows(prompts)))
@@ -94,7 +100,9 @@ def run(prompts: int, kills: int, group_size: int, directory: Path) -> dict:
             env="verifiers",
             group_size=group_size,
             env_options=options,
-            policy=PolicyConfig(wrong_rate=0.0, options={"token_vocab": 64}),
+            policy=PolicyConfig(backend="hf", model=model, max_new_tokens=24)
+            if model
+            else PolicyConfig(wrong_rate=0.0, options={"token_vocab": 64}),
             rollout=RolloutConfig(lease_seconds=30, max_concurrent=16),
             verify=VerifyConfig(retries=1, timeout_s=60),
             streams=StreamConfig(claim_idle_ms=1500, heartbeat_s=0.3, max_deliveries=30),
@@ -123,7 +131,7 @@ def run(prompts: int, kills: int, group_size: int, directory: Path) -> dict:
         server = sessions(url)
     expected = {f"{env.name}-s0-{i:07d}": float(i % 2 == 0) for i in range(prompts)}
     wrong = attempts = redone = 0
-    untokened = turns = 0
+    untokened = turns = logprobs = 0
     rewards_in_info = set()
     for s in samples:
         state = msgspec.msgpack.decode(s.trajectory.state)
@@ -133,6 +141,7 @@ def run(prompts: int, kills: int, group_size: int, directory: Path) -> dict:
         rewards_in_info |= set((s.score.info or {}).get("rewards", {}))
         turns += len(s.trajectory.turns)
         untokened += not s.trajectory.turns or any(not t.token_ids for t in s.trajectory.turns)
+        logprobs += sum(len(t.logprobs) == len(t.token_ids) > 0 for t in s.trajectory.turns)
     ids = [s.task_id for s in scored]
     verifies = [r["verifies"] for r in server.values()]
     example = samples[0].score if samples else None
@@ -153,6 +162,8 @@ def run(prompts: int, kills: int, group_size: int, directory: Path) -> dict:
         "redone_after_a_kill": redone,
         "model_turns_recorded": turns,
         "samples_without_tokens": untokened,
+        "turns_with_a_logprob_per_token": logprobs,
+        "example_answer": last_answer(samples[0].trajectory.items) if samples else None,
         "reward_names_in_info": sorted(rewards_in_info),
         "example_score": {
             "reward": example.reward,
@@ -173,9 +184,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--kills", type=int, default=1)
     ap.add_argument("--group-size", type=int, default=2)
+    ap.add_argument("--model", default="", help="an hf model directory (default: scripted)")
     args = ap.parse_args()
+    model = str(Path(args.model).resolve()) if args.model else ""
     with tempfile.TemporaryDirectory(prefix="vf-bench-") as d:
-        out = run(args.prompts, args.kills, args.group_size, Path(d))
+        out = run(args.prompts, args.kills, args.group_size, Path(d), model)
     print(json.dumps(out, indent=1))
     ok = (out["drained"] and out["scored"] == out["samples"] and not out["scored_wrong"]
           and not out["scored_twice"] and not out["dead_letters"])  # fmt: skip
