@@ -159,7 +159,7 @@ def run(prompts: int, kills: int, group_size: int, directory: Path, model: str =
         "mean_reward": sum(s.score.reward for s in samples) / max(1, len(samples)),
         "dead_letters": {d.task_id: d.reason[:300] for d in dead},
         "attempts_beyond_first": attempts,
-        "redone_after_a_kill": redone,
+        "redone_after_the_worker_lost_it": redone,
         "model_turns_recorded": turns,
         "samples_without_tokens": untokened,
         "turns_with_a_logprob_per_token": logprobs,

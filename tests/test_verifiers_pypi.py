@@ -42,7 +42,7 @@ def test_verifiers_nemo_gym_taskset_through_workers_with_kills(subprocess_env):
     assert out["reward_names_in_info"] == ["nemo_gym"], why
     # the episodes in flight at each kill were redone from the start as their next attempt;
     # a dead attempt's session was seeded and never verified
-    assert out["redone_after_a_kill"] >= 2, why
+    assert out["redone_after_the_worker_lost_it"] >= 2, why
     assert out["server_sessions_verified"] == 6 and out["server_sessions_verified_twice"] == 0
     assert out["server_sessions"] > 6, why
     # each model turn came through the endpoint, with the policy's token ids
