@@ -33,6 +33,7 @@ BUILTIN: dict[str, str] = {
 ADAPTERS: dict[str, str] = {
     "chat": "streamrl.envs.chat:ChatEnv",
     "openenv": "streamrl.envs.openenv:OpenEnvEnv",
+    "verifiers": "streamrl.envs.prime_verifiers:VerifiersEnv",
 }
 
 

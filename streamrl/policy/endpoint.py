@@ -1,6 +1,6 @@
 """The rollout worker's policy served over HTTP: an OpenAI-compatible endpoint inside the worker
 process, for environments whose own agent drives the episode and calls "the model" over HTTP
-(NeMo Gym 0.7's environment servers; PrimeIntellect ``verifiers`` next).
+(NeMo Gym 0.7's environment servers, PrimeIntellect ``verifiers``' harnesses).
 
 Each request is answered by the worker's policy backend (``hf``, ``openai``, ``scripted``) and
 recorded, with its prompt token ids, completion token ids, behaviour log-probs and policy
@@ -227,6 +227,8 @@ class PolicyEndpoint:
                 return JSONResponse(
                     {"error": {"message": str(e), "type": kind_}}, status_code=e.status
                 )
+            if kind == "chat" and body.get("stream") is True:
+                return _chat_stream(answer)
             return JSONResponse(answer)
 
         return handle
@@ -347,6 +349,27 @@ class Endpoints:
         for endpoint in self.started.values():
             await endpoint.stop()
         self.started.clear()
+
+
+def _chat_stream(answer: dict[str, Any]) -> Any:
+    """A chat completion asked for with ``stream: true`` (the chat program of PrimeIntellect
+    ``verifiers``' harnesses, through its interception server): the whole turn as one
+    ``chat.completion.chunk`` (its message as the delta, tool calls indexed, the finish reason
+    and usage) and ``[DONE]``, as server-sent events. The turn is generated whole first: there
+    is nothing to gain from token-by-token events for a driver that assembles the turn."""
+    from starlette.responses import Response
+
+    choice = answer["choices"][0]
+    delta = dict(choice["message"])
+    if delta.get("tool_calls"):
+        delta["tool_calls"] = [{**c, "index": i} for i, c in enumerate(delta["tool_calls"])]
+    chunk = {
+        **{k: v for k, v in answer.items() if k != "choices"},
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": choice["finish_reason"]}],
+    }
+    body = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
+    return Response(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def _usage(turn: ModelTurn, prompt: str, completion: str) -> dict[str, int]:

@@ -1,12 +1,14 @@
 """The rollout worker's policy endpoint (``streamrl.policy.endpoint``) in front of the real
 tiny Llama: a Responses API request and a chat completions request, each tied to its episode
-(NeMo Gym's ``/ng-rollout/<key>/`` path, a bearer key), recorded with the same prompt token ids
+(NeMo Gym's ``/ng-rollout/<key>/`` path, a bearer key, ``/episodes/<key>/`` with ``stream: true``
+as verifiers' interception server asks), recorded with the same prompt token ids
 the backend renders for the conversation and one behaviour log-prob per sampled token; a key
 that is not open is refused and recorded nowhere."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 
 import httpx
@@ -27,6 +29,7 @@ def test_endpoint_records_each_turn_on_its_episode(tiny_dir, copy_task):
         endpoint = PolicyEndpoint(policy, "127.0.0.1", 0, model="tiny")
         await endpoint.start()
         capture = endpoint.open("k0001-a1", task)
+        streamed_capture = endpoint.open("k0001-b1", task)
         try:
             async with httpx.AsyncClient(timeout=60) as client:
                 url = f"{endpoint.url}/ng-rollout/k0001-a1/v1/responses"
@@ -44,15 +47,21 @@ def test_endpoint_records_each_turn_on_its_episode(tiny_dir, copy_task):
                         ],
                     },
                 )  # fmt: skip
+                # verifiers' interception server asks with stream=true: server-sent events
+                streamed = await client.post(
+                    f"{endpoint.url}/episodes/k0001-b1/v1/chat/completions",
+                    json={"messages": convo, "stream": True, "max_tokens": 3},
+                )
                 other = await client.post(
                     f"{endpoint.url}/ng-rollout/k0001/v1/responses", json={"input": "hi"}
                 )
         finally:
             endpoint.close("k0001-a1")
+            endpoint.close("k0001-b1")
             await endpoint.stop()
-        return first, chat, other, capture
+        return first, chat, streamed, other, capture, streamed_capture
 
-    first, chat, other, capture = asyncio.run(main())
+    first, chat, streamed, other, capture, streamed_capture = asyncio.run(main())
     assert first.status_code == 200, first.text
     body = first.json()
     assert body["object"] == "response" and body["output"][0]["type"] == "message"
@@ -61,6 +70,15 @@ def test_endpoint_records_each_turn_on_its_episode(tiny_dir, copy_task):
     assert chat.json()["choices"][0]["message"]["role"] == "assistant"
     # another attempt's key (attempt 0 of the same rollout) is not open: refused, not recorded
     assert other.status_code == 404 and "no open episode" in other.text
+    assert streamed.status_code == 200, streamed.text
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in streamed.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and len(events) == 2, streamed.text
+    chunk = json.loads(events[0].removeprefix("data: "))
+    assert chunk["object"] == "chat.completion.chunk", chunk
+    assert chunk["choices"][0]["delta"]["role"] == "assistant", chunk
+    assert chunk["choices"][0]["finish_reason"] in ("stop", "length"), chunk
+    assert len(streamed_capture.turns) == 1 and streamed_capture.turns[0].token_ids
     assert [t.index for t in capture.turns] == [0, 1]
     for turn in capture.turns:
         assert turn.token_ids and len(turn.logprobs) == len(turn.token_ids)
