@@ -221,7 +221,7 @@ def realistic_session(
 
     from tokenizers import Tokenizer
 
-    from streamrl import schema
+    from streamrl import schema, session_codec
 
     tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
     prose = _corpus(tok, ("argparse", "typing", "asyncio.tasks", "json", "logging"), False)
@@ -253,7 +253,7 @@ def realistic_session(
         ],
         started_at=1764000000.0,
     )
-    out = [schema.SESSION.decode(schema.encode(session))]
+    out = [session_codec.SESSION.decode(schema.encode(session))]
     for t in range(turns - 1):
         text = take("prose", generated_tokens - 20)
         args = json.dumps({"query": take("prose", 12)})
@@ -283,7 +283,7 @@ def realistic_session(
         session.state = msgspec.msgpack.encode({"calls": t + 1, "found": [f"item-{t}"]})
         prompt = [*prompt, *ids, *tok.encode("<|im_end|>\n" + chat("tool", output)).ids]
         prompt += tok.encode("<|im_start|>assistant\n").ids
-        out.append(schema.SESSION.decode(schema.encode(session)))  # a copy as it stands
+        out.append(session_codec.SESSION.decode(schema.encode(session)))  # a copy as it stands
     return out
 
 
@@ -297,8 +297,8 @@ def session_size_bench(
 ) -> dict:
     """Bytes of one realistic session (``realistic_session``) at each checkpoint, in the plain
     msgpack form (``schema.encode``, streamrl before 2026-11-25: every checkpoint rewrites the
-    session) and the packed form (``schema.SESSION``: every checkpoint appends a frame with what
-    its turn added; ``frame_bytes`` is what it sends): the value's length, and ``MEMORY USAGE``
+    session) and the packed form (``session_codec.SESSION``: every checkpoint appends a frame with
+    what its turn added; ``frame_bytes`` is what it sends): the value's length, and ``MEMORY USAGE``
     of the key in a Redis (a private one unless ``redis_url``) holding the value as the COMMIT
     script leaves it. Row 0 is the session before any turn, as one frame (what an environment
     that keeps server sessions checkpoints first). ``open_session_bytes_max`` is the largest
@@ -307,7 +307,7 @@ def session_size_bench(
     most one adds to ``MEMORY USAGE``."""
     import tempfile
 
-    from streamrl import schema
+    from streamrl import schema, session_codec
     from streamrl.local.embedded import EmbeddedRedis
 
     sessions = realistic_session(model_dir, prompt_tokens, turns, generated_tokens, tool_tokens)
@@ -319,9 +319,9 @@ def session_size_bench(
             rows, value, mark = [], b"", None
             for i, s in enumerate(sessions):
                 plain = schema.encode(s)
-                frame, mark = schema.SESSION.frame(s, mark if i > 1 else None)
+                frame, mark = session_codec.SESSION.frame(s, mark if i > 1 else None)
                 value = frame if i <= 1 else value + frame  # row 1: the first checkpoint
-                assert schema.SESSION.decode(value) == s
+                assert session_codec.SESSION.decode(value) == s
                 r.set(plain_key, plain, ex=600)
                 r.set(packed_key, value, ex=600)  # as COMMIT writes it: SET of the whole
                 rows.append(

@@ -8,6 +8,9 @@ can never write a session, a trajectory or a score for it. Because result and ac
 together, a redelivered entry cannot produce a second result either.
 
 Every script takes many items, so a worker pays one round trip per batch, not per episode.
+
+Kept whole: every script is built from the same Lua prelude (the batch fence, ``take``,
+``many``), and reading one next to the others is how a change to the fence is checked.
 """
 
 from __future__ import annotations

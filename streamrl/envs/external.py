@@ -50,7 +50,8 @@ import structlog
 
 from streamrl.envs._failpoints import failpoint
 from streamrl.envs.base import Environment, EnvUnavailable, StepResult
-from streamrl.schema import SESSION, TASK, FunctionCall, FunctionCallOutput, Item, Task
+from streamrl.schema import TASK, FunctionCall, FunctionCallOutput, Item, Task
+from streamrl.session_codec import SESSION
 
 __all__ = [
     "CallUnconfirmed",

@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from streamrl import schema
+from streamrl import schema, session_codec
 from streamrl.bus import health
 from streamrl.bus.keys import Keys
 from streamrl.bus.shards import NO_SUCH_SHARD, keys_of_shard
@@ -99,7 +99,7 @@ class _RolloutLease:
         self.counts = {"finished": 0, "lost_claim": 0, "dead_lettered": 0, "policy_errors": 0}
         self.commits: Batcher = Batcher(self._flush_commits)
         # per held entry: how much of its session the value in Redis holds (appends go after)
-        self.marks: dict[str, schema.SessionMark] = {}
+        self.marks: dict[str, session_codec.SessionMark] = {}
         self.finishes: Batcher = Batcher(self._flush_finishes)
         self.cursor = "0-0"
         self.watch = PolicyWatch(r, self.keys, consumer, wake=self.slot)
@@ -108,7 +108,7 @@ class _RolloutLease:
     # ---------------------------------------------------------------- Redis calls (batched)
     async def _flush_commits(self, items: list[tuple[Entry, schema.Session]]) -> list[int]:
         """Checkpoint sessions: each appends a frame with what changed since its last
-        checkpoint (``schema.SESSION``); one whose value in Redis is not the one this worker
+        checkpoint (``session_codec.SESSION``); one whose value in Redis is not the one this worker
         appends to (it expired) is written whole."""
         res = await self._commit([(e, s, self.marks.get(e.id)) for e, s in items])
         again = [i for i, r in enumerate(res) if r == 2]
@@ -119,13 +119,13 @@ class _RolloutLease:
         return [int(r == 1) for r in res]
 
     async def _commit(
-        self, items: list[tuple[Entry, schema.Session, schema.SessionMark | None]]
+        self, items: list[tuple[Entry, schema.Session, session_codec.SessionMark | None]]
     ) -> list[int]:
         keys = [self.keys.tasks] + [self.keys.session(e.task_id) for e, _, _ in items]
         args: list[Any] = [ROLLOUT_GROUP, self.consumer, self.config.rollout.session_ttl_s]
         marks = []
         for e, s, mark in items:
-            frame, after = schema.SESSION.frame(s, mark)
+            frame, after = session_codec.SESSION.frame(s, mark)
             args += [e.id, e.fence, frame]
             marks.append(after)
         res = list(await self.scripts.commit(keys=keys, args=args))
@@ -234,7 +234,7 @@ class _RolloutLease:
         if not entry.session:
             return None
         try:
-            session, mark = schema.SESSION.decode_marked(entry.session)
+            session, mark = session_codec.SESSION.decode_marked(entry.session)
         except msgspec.DecodeError as e:
             log.warning("unreadable session, restarting episode", error=str(e))
             return None
@@ -274,6 +274,8 @@ class _RolloutLease:
     async def _endpoint(self, env: Any) -> Any:
         """The policy endpoint an environment that drives its own episodes calls (None for the
         others); one that cannot listen is a policy failure: the task is left for a retry."""
+        if not getattr(env, "serves_episodes", False):  # the worker drives the episode itself
+            return None
         try:
             return await self.endpoints.for_env(env)
         except OSError as e:

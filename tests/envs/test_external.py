@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from streamrl import schema
+from streamrl import schema, session_codec
 from streamrl.config import RolloutConfig
 from streamrl.envs import EnvUnavailable, make_env
 from streamrl.envs.external import ReplayDiverged, confirmed_calls
@@ -73,7 +73,7 @@ def _episode(env: NemoGymEnv, task: Task, crash: Crash | None, store: list[bytes
     """Run (or resume, from ``store``'s last checkpoint) an episode whose commits land in
     ``store`` until ``crash`` says this one does not."""
     if store:
-        session = schema.SESSION.decode(store[-1])
+        session = session_codec.SESSION.decode(store[-1])
         session.claims += 1
     else:
         session = new_session(env, task)
@@ -156,7 +156,7 @@ def test_a_seed_answered_but_not_checkpointed_opens_a_fresh_session(server_url):
 
     with pytest.raises(_Crash):
         _episode(env, task, after_seed, store)
-    written = env.decode_state(schema.SESSION.decode(store[-1]).state)
+    written = env.decode_state(session_codec.SESSION.decode(store[-1]).state)
     assert written.journal.phase == "opening"  # written ahead of the seed
     traj = _episode(env, task, None, store)
     state = env.decode_state(traj.state)

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from streamrl import schema
+from streamrl import schema, session_codec
 from streamrl.config import PolicyConfig, RolloutConfig, RunConfig, StreamConfig, VerifyConfig
 from streamrl.defaults import ROLLOUT_QUEUE, VERIFY_QUEUE
 from streamrl.local.pipeline import LocalPipeline, xrange_all
@@ -188,7 +188,7 @@ def _export_and_reverify(server_url, redis_url, subprocess_env, tmp_path, scores
 
 def _session(p, task_id: str) -> schema.Session | None:
     raw = p.r.get(p.keys.session(task_id))
-    return schema.SESSION.decode(raw) if raw else None
+    return session_codec.SESSION.decode(raw) if raw else None
 
 
 def test_an_episode_resumes_on_another_worker_in_the_same_server_session(

@@ -1,4 +1,4 @@
-"""Sessions are checkpointed in a packed form (``schema.SESSION``): token ids as arrays of
+"""Sessions are checkpointed in a packed form (``session_codec.SESSION``): token ids as arrays of
 uint16/int32/int64, log-probs as float32 when that is exact, each turn's prompt as what it adds
 to the previous one, zlib over the whole. Whatever the packing, the trajectory that reaches the
 verifier (the ``rollouts`` stream) and the learner (the Group on ``groups``) must carry every
@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import redis.asyncio
 
-from streamrl import schema
+from streamrl import schema, session_codec
 from streamrl.bus.keys import Keys
 from streamrl.bus.streams import Scripts, claim_args, ensure_groups, parse_claim, parse_read
 from streamrl.config import RolloutConfig, RunConfig
@@ -91,23 +91,23 @@ class RecordingPolicy(Policy):
 def appends(monkeypatch):
     """Checkpoints append frames to values of any size (a value under 2 KB is rewritten whole,
     and these sessions are small)."""
-    monkeypatch.setattr(schema, "_APPEND_FROM", 0)
+    monkeypatch.setattr(session_codec, "_APPEND_FROM", 0)
 
 
 def test_a_small_session_is_rewritten_whole_and_a_large_one_appended():
     call = schema.FunctionCall(call_id="c", name="f", arguments="{}")
     session = _session([schema.ModelTurn(index=0, items=[call], token_ids=[1])], [])
-    _, mark = schema.SESSION.frame(session, None)
-    assert schema.SESSION.frame(session, mark)[0][2:6] == b"\0\0\0\0"  # offset 0: whole
+    _, mark = session_codec.SESSION.frame(session, None)
+    assert session_codec.SESSION.frame(session, mark)[0][2:6] == b"\0\0\0\0"  # offset 0: whole
     noise = "".join(random.Random(0).choices(string.printable, k=4000))  # does not compress
     session.items.append(schema.FunctionCallOutput(call_id="c", output=noise))
-    big, mark = schema.SESSION.frame(session, mark)
+    big, mark = session_codec.SESSION.frame(session, mark)
     assert mark.length >= 2048
     session.turns.append(schema.ModelTurn(index=1, items=[call], token_ids=[2]))
     session.items.append(call)
-    frame, _ = schema.SESSION.frame(session, mark)
+    frame, _ = session_codec.SESSION.frame(session, mark)
     assert struct.unpack("<I", frame[2:6])[0] == len(big) and len(frame) < 200
-    assert schema.SESSION.decode(big + frame) == session
+    assert session_codec.SESSION.decode(big + frame) == session
 
 
 def _frames(value: bytes) -> int:
@@ -210,10 +210,10 @@ def test_packed_session_is_the_same_session(ids, code):
     session.turns.append(
         schema.ModelTurn(index=3, items=[schema.Reasoning(content="not in the conversation")])
     )
-    packed = schema.SESSION.encode(session)
+    packed = session_codec.SESSION.encode(session)
     assert packed[:1] == b"\xc1"
-    back = schema.SESSION.decode(packed)
-    plain = schema.SESSION.decode(schema.encode(session))  # the form older workers wrote
+    back = session_codec.SESSION.decode(packed)
+    plain = session_codec.SESSION.decode(schema.encode(session))  # the form older workers wrote
     for other in (back, plain):
         for a, b in zip(other.turns, session.turns, strict=True):
             assert _bits(a.logprobs) == _bits(b.logprobs)  # NaN != NaN: compare the bits
@@ -234,11 +234,11 @@ def test_checkpoints_append_frames_once_and_rewrite_a_lost_session(r, run_name, 
     commit = Scripts(r).commit
     call = schema.FunctionCall(call_id="c", name="add", arguments="{}")
     session = _session([schema.ModelTurn(index=0, items=[call], token_ids=[1, 2])], [])
-    first, mark = schema.SESSION.frame(session, None)
+    first, mark = session_codec.SESSION.frame(session, None)
     session.turns.append(schema.ModelTurn(index=1, items=[call], token_ids=[3]))
     session.items.append(call)
     session.state = b"\x82"
-    second, _ = schema.SESSION.frame(session, mark)
+    second, _ = session_codec.SESSION.frame(session, mark)
 
     def put(blob: bytes) -> int:
         (res,) = commit(
@@ -249,23 +249,23 @@ def test_checkpoints_append_frames_once_and_rewrite_a_lost_session(r, run_name, 
     assert put(first) == 1 and put(second) == 1
     assert put(second) == 1  # a re-sent checkpoint (a client retry): not appended twice
     value = r.get(keys.session(e.task_id))
-    assert value == first + second and schema.SESSION.decode(value) == session
+    assert value == first + second and session_codec.SESSION.decode(value) == session
     other = second[:-1] + bytes([second[-1] ^ 1])  # not what this worker appended there
     assert put(other) == 2 and r.get(keys.session(e.task_id)) == first + second
     r.delete(keys.session(e.task_id))  # the session expired
     assert put(second) == 2 and r.get(keys.session(e.task_id)) is None
     with pytest.raises(msgspec.DecodeError, match="missing"):
-        schema.SESSION.decode(second.replace(second[2:6], b"\0\0\0\0", 1))
+        session_codec.SESSION.decode(second.replace(second[2:6], b"\0\0\0\0", 1))
 
 
 def test_packing_covers_every_field_of_a_session_and_a_turn():
     """A field added to Session or ModelTurn must be added to the packed form too, or
     checkpoints would drop it silently."""
     assert {f.name for f in msgspec.structs.fields(schema.ModelTurn)} == {
-        f.name for f in msgspec.structs.fields(schema._PackedTurn)
+        f.name for f in msgspec.structs.fields(session_codec._PackedTurn)
     } - {"start", "end", "prompt_keep", "prompt_tail"} | {"prompt_token_ids"}
     assert {f.name for f in msgspec.structs.fields(schema.Session)} == {
-        f.name for f in msgspec.structs.fields(schema._Frame)
+        f.name for f in msgspec.structs.fields(session_codec._Frame)
     } - {"items_from", "turns_from"}
 
 
@@ -274,8 +274,10 @@ def _head(fmt: int, offset: int, size: int) -> bytes:
 
 
 def _frame_with_ids(ids: bytes) -> bytes:
-    turn = schema._PackedTurn(0, 0, 0, [], 0, b"", ids, b"", 0, "stop", "", 0.0)
-    body = msgspec.msgpack.encode(schema._Frame(1, "p:0", 0, [], 0, [turn], b"", 0, 0, 0, 1, -1))
+    turn = session_codec._PackedTurn(0, 0, 0, [], 0, b"", ids, b"", 0, "stop", "", 0.0)
+    body = msgspec.msgpack.encode(
+        session_codec._Frame(1, "p:0", 0, [], 0, [turn], b"", 0, 0, 0, 1, -1)
+    )
     return _head(3, 0, len(body)) + body
 
 
@@ -294,7 +296,7 @@ def _frame_with_ids(ids: bytes) -> bytes:
 )
 def test_unreadable_packed_sessions_are_decode_errors(blob):
     with pytest.raises(msgspec.DecodeError):
-        schema.SESSION.decode(blob)
+        session_codec.SESSION.decode(blob)
 
 
 def test_a_worker_whose_session_expired_writes_it_whole(redis_url, run_name, appends):
@@ -322,5 +324,5 @@ def test_a_worker_whose_session_expired_writes_it_whole(redis_url, run_name, app
         return done
 
     assert asyncio.run(checkpoint()) == [1]
-    assert schema.SESSION.decode(sync.get(keys.session(e.task_id))) == session
+    assert session_codec.SESSION.decode(sync.get(keys.session(e.task_id))) == session
     sync.close()

@@ -1,0 +1,306 @@
+"""The session's packed form: what a rollout worker checkpoints to Redis after every turn.
+
+A session is checkpointed after every turn and holds every token of the episode so far, so
+its size is what an open episode costs Redis. As plain msgpack (``encode(session)``, the form
+of streamrl before 2026-11-25) a token id takes 3-5 bytes, a log-prob 9, every turn repeats
+the whole prompt's token ids (the conversation so far: quadratic in the turns), each model
+turn's items are stored twice (in the turn and in the conversation), and every checkpoint
+rewrites all of it. The packed form:
+
+- a model turn's items are a span of the session's items, stored once;
+- token ids are a little-endian array of uint16 when every id fits (SmolLM2's 49,152-token
+  vocabulary does), else int32, else int64; log-probs float32 when every one of them
+  survives the round trip bit for bit (what torch and vLLM sample in), else float64;
+- a turn's prompt is stored as how much of the previous turn's prompt + completion it
+  keeps and the tokens that follow (the tool outputs and the chat template's glue);
+- a checkpoint appends one *frame* with what changed since the last one (new items, new
+  turns, the environment state and counters as they are now), zlib-compressed from 1 KB.
+
+A frame is 0xC1 (a byte msgpack never uses), a format byte (3: msgpack, 4: zlib), the
+offset in the session's value where the frame starts and its payload's length (uint32 LE
+each), then the payload. The COMMIT script reads the offset: 0 replaces the value, anything
+else appends after checking the value is exactly that long (``bus/scripts.py``). Decoding
+folds the frames and gives back the same Session, bit for bit; ``SESSION.decode`` also reads
+the plain form, so episodes checkpointed by older workers resume on newer ones. Older
+workers cannot read frames: upgrade every rollout worker of a run together, or let the
+sessions in flight finish first.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+import zlib
+from array import array
+from typing import NamedTuple
+
+import msgspec
+
+from streamrl.schema import PLAIN_SESSION, Item, ModelTurn, Session, encode
+
+_FRAME = 0xC1
+_FRAME_RAW, _FRAME_ZLIB = 3, 4
+_FRAME_HEAD = 10
+_LITTLE = sys.byteorder == "little"
+_COMPRESS_FROM = 1024  # bytes: below this zlib saves little and costs more than the packing
+_APPEND_FROM = 2048  # bytes: a shorter value is rewritten whole at its next checkpoint
+
+
+class _PackedTurn(msgspec.Struct, array_like=True):
+    index: int
+    start: int  # its items are the session's items[start:end] (end < 0: ``items`` holds them)
+    end: int
+    items: list[Item]
+    prompt_keep: int  # leading tokens of the previous turn's prompt + completion it repeats
+    prompt_tail: bytes
+    token_ids: bytes
+    logprobs: bytes
+    policy_version: int
+    finish_reason: str
+    worker: str
+    seconds: float
+
+
+class _Frame(msgspec.Struct, array_like=True):
+    """What one checkpoint adds to a session: the items and turns after the first
+    ``items_from`` and ``turns_from``, and every other field as it stands now."""
+
+    v: int
+    task_id: str
+    items_from: int
+    items: list[Item]
+    turns_from: int
+    turns: list[_PackedTurn]
+    state: bytes
+    tokens: int
+    started_at: float
+    tool_seconds: float
+    claims: int
+    resumed_from_turn: int
+
+
+class SessionMark(NamedTuple):
+    """How much of a session its value in Redis holds: its length in bytes and the items and
+    turns in it. The next checkpoint appends a frame with the rest."""
+
+    length: int
+    items: int
+    turns: int
+
+
+_FRAME_DECODER = msgspec.msgpack.Decoder(_Frame)
+_INT_CODES = ((b"H", 0, 1 << 16), (b"i", -(1 << 31), 1 << 31), (b"q", -(1 << 63), 1 << 63))
+_IDS, _FLOATS = "Hiq", "fd"  # the array types a packed turn may hold
+
+
+def _pack(arr: array) -> bytes:
+    if not _LITTLE:
+        arr.byteswap()
+    return arr.typecode.encode() + arr.tobytes()
+
+
+def _unpack(blob: bytes, codes: str) -> list:
+    if not blob:
+        return []
+    if blob[:1].decode() not in codes:
+        raise ValueError(f"an array of type {blob[:1]!r} where one of {codes!r} belongs")
+    arr = array(blob[:1].decode())
+    arr.frombytes(blob[1:])
+    if not _LITTLE:
+        arr.byteswap()
+    return arr.tolist()
+
+
+def _pack_ids(ids: list[int]) -> bytes:
+    if not ids:
+        return b""
+    low, high = min(ids), max(ids)
+    code = next((c for c, lo, hi in _INT_CODES if lo <= low and high < hi), None)
+    if code is None:
+        raise ValueError(f"a token id outside int64: {low if low < 0 else high}")
+    return _pack(array(code.decode(), ids))
+
+
+def _pack_floats(values: list[float]) -> bytes:
+    if not values:
+        return b""
+    wide = array("d", values)
+    narrow = array("f", values)  # out-of-range values turn to inf here: caught below
+    if array("d", narrow).tobytes() == wide.tobytes():
+        return _pack(narrow)
+    return _pack(wide)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading elements ``a`` and ``b`` share (a turn's prompt usually extends the
+    previous turn's prompt + completion: one list comparison then settles it)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
+    while high - low > 1:
+        mid = (low + high) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def _span(items: list[Item], part: list[Item], start: int) -> int:
+    """Where ``part`` sits in ``items`` at or after ``start``; -1 when it does not. (A turn's
+    items are usually the very objects the conversation holds: ``is`` finds them first.)"""
+    n = len(part)
+    if n == 0:
+        return start if start <= len(items) else -1
+    first = part[0]
+    for i in range(start, len(items) - n + 1):
+        item = items[i]
+        if (item is first or item == first) and (n == 1 or items[i : i + n] == part):
+            return i
+    return -1
+
+
+def _pack_turn(s: Session, i: int, cursor: int) -> tuple[_PackedTurn, int]:
+    t = s.turns[i]
+    keep = 0
+    if i and t.prompt_token_ids:
+        prev = s.turns[i - 1]
+        keep = _common_prefix([*prev.prompt_token_ids, *prev.token_ids], t.prompt_token_ids)
+    start = _span(s.items, t.items, cursor)
+    if start >= 0:
+        cursor = start + len(t.items)
+    packed = _PackedTurn(
+        t.index,
+        max(start, 0),
+        cursor if start >= 0 else -1,
+        [] if start >= 0 else t.items,
+        keep,
+        _pack_ids(t.prompt_token_ids[keep:]) if t.prompt_token_ids else b"",
+        _pack_ids(t.token_ids),
+        _pack_floats(t.logprobs),
+        t.policy_version,
+        t.finish_reason,
+        t.worker,
+        t.seconds,
+    )
+    return packed, cursor
+
+
+class SessionCodec:
+    """``SESSION.frame(session, mark)`` packs what a checkpoint adds, ``SESSION.encode`` a
+    whole session (one frame), ``SESSION.decode(value)`` reads the frames of a session's value
+    and the plain form (any ``DecodeError`` for what is neither)."""
+
+    def encode(self, s: Session) -> bytes:
+        return self.frame(s, None)[0]
+
+    def frame(self, s: Session, mark: SessionMark | None) -> tuple[bytes, SessionMark]:
+        """The frame that brings a session's value from ``mark`` (None: nothing, a new value)
+        to ``s``, and the mark after it. Items and turns are only ever appended. A value
+        under ``_APPEND_FROM`` bytes is rewritten whole instead: one SET, and the best
+        compression, for what costs little to send again."""
+        if mark is None or mark.length < _APPEND_FROM:
+            mark = None
+        offset, n_items, n_turns = mark if mark is not None else (0, 0, 0)
+        turns, cursor = [], 0
+        if n_turns:
+            last = s.turns[n_turns - 1]
+            cursor = max(0, _span(s.items, last.items, 0)) + len(last.items)
+        for i in range(n_turns, len(s.turns)):
+            packed, cursor = _pack_turn(s, i, cursor)
+            turns.append(packed)
+        body = encode(
+            _Frame(
+                v=s.v,
+                task_id=s.task_id,
+                items_from=n_items,
+                items=s.items[n_items:],
+                turns_from=n_turns,
+                turns=turns,
+                state=s.state,
+                tokens=s.tokens,
+                started_at=s.started_at,
+                tool_seconds=s.tool_seconds,
+                claims=s.claims,
+                resumed_from_turn=s.resumed_from_turn,
+            )
+        )
+        fmt = _FRAME_RAW
+        if len(body) >= _COMPRESS_FROM:
+            packed_body = zlib.compress(body, 6)
+            if len(packed_body) < len(body):
+                fmt, body = _FRAME_ZLIB, packed_body
+        data = bytes([_FRAME, fmt]) + struct.pack("<II", offset, len(body)) + body
+        return data, SessionMark(offset + len(data), len(s.items), len(s.turns))
+
+    def decode(self, blob: bytes) -> Session:
+        return self.decode_marked(blob)[0]
+
+    def decode_marked(self, blob: bytes) -> tuple[Session, SessionMark | None]:
+        """The session and its mark (None for the plain form: the next checkpoint rewrites
+        the whole value)."""
+        if blob[:1] != bytes([_FRAME]):
+            return PLAIN_SESSION.decode(blob), None
+        items: list[Item] = []
+        turns: list[ModelTurn] = []
+        at, last = 0, None
+        try:
+            while at < len(blob):
+                head = blob[at : at + _FRAME_HEAD]
+                if len(head) < _FRAME_HEAD or head[0] != _FRAME:
+                    raise ValueError(f"no frame at byte {at}")
+                offset, size = struct.unpack("<II", head[2:])
+                body = blob[at + _FRAME_HEAD : at + _FRAME_HEAD + size]
+                if offset != at or len(body) != size:
+                    raise ValueError(f"a frame at byte {at} says {offset} and {size} bytes")
+                if head[1] == _FRAME_ZLIB:
+                    body = zlib.decompress(body)
+                elif head[1] != _FRAME_RAW:
+                    raise ValueError(f"unknown session frame format {head[1]}")
+                f = _FRAME_DECODER.decode(body)
+                if f.items_from != len(items) or f.turns_from != len(turns):
+                    raise ValueError("a checkpoint of this session is missing")
+                items.extend(f.items)
+                for t in f.turns:
+                    prev = turns[-1] if turns else None
+                    before = [*prev.prompt_token_ids, *prev.token_ids] if prev else []
+                    if t.prompt_keep > len(before):
+                        raise ValueError("a turn keeps more prompt than its previous turn had")
+                    turns.append(
+                        ModelTurn(
+                            index=t.index,
+                            items=items[t.start : t.end] if t.end >= 0 else t.items,
+                            prompt_token_ids=[
+                                *before[: t.prompt_keep],
+                                *_unpack(t.prompt_tail, _IDS),
+                            ],
+                            token_ids=_unpack(t.token_ids, _IDS),
+                            logprobs=_unpack(t.logprobs, _FLOATS),
+                            policy_version=t.policy_version,
+                            finish_reason=t.finish_reason,
+                            worker=t.worker,
+                            seconds=t.seconds,
+                        )
+                    )
+                at += _FRAME_HEAD + size
+                last = f
+        except (zlib.error, ValueError, TypeError, OverflowError, struct.error) as e:
+            raise msgspec.DecodeError(f"unreadable packed session: {e}") from e
+        assert last is not None
+        session = Session(
+            v=last.v,
+            task_id=last.task_id,
+            items=items,
+            turns=turns,
+            state=last.state,
+            tokens=last.tokens,
+            started_at=last.started_at,
+            tool_seconds=last.tool_seconds,
+            claims=last.claims,
+            resumed_from_turn=last.resumed_from_turn,
+        )
+        return session, SessionMark(len(blob), len(items), len(turns))
+
+
+SESSION = SessionCodec()
