@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from streamrl.learner.batch import Batch
 from streamrl.learner.config import LearnerConfig
@@ -286,10 +287,12 @@ def apply_update(
     parallel); ``started``: when the step began (perf_counter), for its wall time."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if cfg.max_grad_norm > 0:
-        norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm, foreach=False))
+        total = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm, foreach=False)
     else:
-        grads = [p.grad.detach().norm() for p in params if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack(grads))) if grads else 0.0
+        grads = [p.grad for p in params if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, foreach=False) if grads else torch.zeros(())
+    # under FSDP the norm is a DTensor, the same on every rank (reduced over the shards)
+    norm = float(total.full_tensor() if isinstance(total, DTensor) else total)
     lr = lr_at(step, cfg)
     for group in optimizer.param_groups:
         group["lr"] = lr
