@@ -101,6 +101,7 @@ class StreamrlStep:
             model=str(model_dir), device="cpu", dtype="float32", loss_type="dapo",
             importance_sampling="off", micro_batch_size=args.micro, lr=1e-6,
             max_grad_norm=1.0, lora_r=LORA["r"] if lora else 0, lora_alpha=LORA["alpha"],
+            share_prompts=not args.no_share_prompts,
         )  # fmt: skip
         self.model, tok, _ = load_model(self.cfg)
         self.optimizer = make_optimizer(self.model, self.cfg)
@@ -229,6 +230,11 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--micro", type=int, default=4, help="sequences per forward/backward")
     p.add_argument("--modes", default="full,lora")
+    p.add_argument(
+        "--no-share-prompts",
+        action="store_true",
+        help="streamrl with [learner] share_prompts = false (one forward per micro-batch)",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -246,6 +252,7 @@ def main() -> None:
         f"{torch.get_num_threads()} torch threads".strip(),
         "torch": torch.__version__,
         "model": str(args.model.name),
+        "streamrl_share_prompts": not args.no_share_prompts,
         "batch": {
             "groups": args.groups,
             "group_size": args.group_size,
