@@ -80,7 +80,9 @@ def shifted_logits(
             before = first.new_zeros(ids.size(0), length - 1 - start, first.size(-1))
             return torch.cat([before, first, tail[:, :-1]], dim=1)
     # logits_to_keep: the last width - start positions (HF's 0 would mean all of them)
-    return model(input_ids=ids, attention_mask=attn, logits_to_keep=width - start).logits[:, :-1]
+    # use_cache=False: no key/value cache is built for a training forward
+    out = model(input_ids=ids, attention_mask=attn, logits_to_keep=width - start, use_cache=False)
+    return out.logits[:, :-1]
 
 
 @dataclass
