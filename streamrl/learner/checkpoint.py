@@ -7,6 +7,9 @@ Layout (``<output_dir>/checkpoints/``)::
         optimizer.pt   AdamW state
         rng.pt         torch (CPU and CUDA), python ``random`` and numpy RNG states
         state.json     LearnerState: step, policy version, counters, last consumed stream ID
+        sharded/       instead of weights.pt and optimizer.pt, under ``sharding = "fsdp"``:
+                       every rank's shards of both (torch.distributed.checkpoint, see
+                       ``streamrl.learner.sharded``)
 
 A checkpoint is written to ``.tmp-step-…`` beside it, every file fsynced, then renamed into
 place and the directory fsynced: a directory named ``step-*`` is always complete. The newest
@@ -21,13 +24,16 @@ import random
 import resource
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 import torch
 from torch import nn
 
+from streamrl.learner import sharded
 from streamrl.learner._failpoints import failpoint
+from streamrl.learner.sharded import SHARDED_DIR
 
 _PREFIX = "step-"
 _TMP_PREFIX = ".tmp-"
@@ -177,7 +183,11 @@ def save_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     keep: int = 2,
+    writer: Callable[[Path], None] | None = None,
 ) -> Path:
+    """Write ``step-<step>`` atomically; ``writer``: how the weights and optimizer state are
+    written into the directory it is given, when not as ``weights.pt`` and ``optimizer.pt``
+    (sharded: every rank writes its shards)."""
     directory.mkdir(parents=True, exist_ok=True)
     name = f"{_PREFIX}{state.step:08d}"
     final = directory / name
@@ -186,8 +196,12 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     try:
         tmp.mkdir()
-        torch.save(_trainable_state(model), tmp / "weights.pt")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if writer is None:
+            torch.save(_trainable_state(model), tmp / "weights.pt")
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        else:
+            writer(tmp / SHARDED_DIR)
+            fsync_path(tmp / SHARDED_DIR)  # its files are fsynced by DCP's writer
         torch.save(_rng_state(), tmp / "rng.pt")
         (tmp / "state.json").write_bytes(msgspec.json.encode(state))
         for f in tmp.iterdir():
@@ -239,9 +253,27 @@ def read_state(path: Path) -> LearnerState:
     return msgspec.json.decode((path / "state.json").read_bytes(), type=LearnerState)
 
 
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's trainable weights by name, as full tensors on CPU (either layout)."""
+    if (path / SHARDED_DIR).is_dir():
+        return sharded.read_weights(path / SHARDED_DIR)
+    return torch.load(path / "weights.pt", map_location="cpu", weights_only=True)
+
+
 def restore_checkpoint(
-    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, is_sharded: bool = False
 ) -> LearnerState:
+    """Load ``path`` into ``model`` and ``optimizer`` and set the RNG states; returns its
+    progress. ``is_sharded``: an FSDP model, which every rank restores from ``sharded/``."""
+    if is_sharded:
+        sharded.load(path / SHARDED_DIR, model, optimizer)
+        _set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+        return read_state(path)
+    if (path / SHARDED_DIR).is_dir():
+        raise RuntimeError(
+            f"checkpoint {path} was written by a sharded learner (sharding = 'fsdp'): restore "
+            "it with the same setting, or start from an empty output_dir"
+        )
     weights = torch.load(path / "weights.pt", map_location="cpu", weights_only=True)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     missing = params.keys() ^ weights.keys()

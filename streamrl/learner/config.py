@@ -114,6 +114,10 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     # -- data parallel (torchrun): how long any collective may wait for a silent rank
     dist_timeout_s: float = d.DIST_TIMEOUT_S
+    # how ranks hold the model under torchrun (one process ignores it): "none", a whole
+    # replica per rank (DDP); "fsdp", each rank 1/N of the weights, gradients and AdamW state
+    # (FSDP2, learner.sharded), for models whose training state does not fit one device
+    sharding: Literal["none", "fsdp"] = "none"
 
     def __post_init__(self) -> None:
         checks = [

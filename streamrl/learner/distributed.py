@@ -6,7 +6,11 @@ zero-variance, invalid: dropped and counted), checkpoints and XACKs, and publish
 exactly as the single-process learner does; the other ranks never talk to Redis. At each
 optimizer step rank 0 broadcasts the step's groups (their msgpack, a few KB) to every rank;
 every rank lays out the same batch and trains on its contiguous share of the batch's
-sequences; DDP all-reduces the gradients, so every rank applies the same update.
+sequences; DDP all-reduces the gradients, so every rank applies the same update. With
+``[learner] sharding = "fsdp"`` each rank holds 1/N of the model instead of a replica
+(FSDP2, see ``streamrl.learner.sharded``); the step is the same, and rank 0 also tells the
+other ranks when to write their shards of a checkpoint and when to all-gather the weights for
+a policy version (both are collectives).
 
 Why not one reader per rank: exactly-once rests on one consumer whose pending list and one
 ``last_id`` in the checkpoint say what the weights contain. With a reader per rank the
@@ -37,10 +41,13 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
+from pathlib import Path
 
 import msgspec
+import structlog
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -50,6 +57,8 @@ from streamrl import schema
 from streamrl.learner.batch import Batch, make_batch
 from streamrl.learner.config import LearnerConfig
 from streamrl.learner.mismatch import Mismatch
+from streamrl.learner.sharded import full_state_dict, local_numel
+from streamrl.learner.sharded import save as save_shards
 from streamrl.learner.train import BatchLoss, StepStats, add_chunk, apply_update, chunk_loss
 
 
@@ -62,6 +71,7 @@ class _StepPayload(msgspec.Struct, array_like=True):
     weights_version: int | None = None  # marks the on-policy rows (learner.mismatch)
 
 
+log = structlog.get_logger("streamrl.learner")
 _STEP = msgspec.msgpack.Decoder(_StepPayload)
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -70,6 +80,8 @@ class _Command(IntEnum):
     HEARTBEAT = 0
     STEP = 1
     STOP = 2
+    CHECKPOINT = 3  # sharded: write your shards into the directory in the payload
+    GATHER = 4  # sharded: all-gather the weights to rank 0 (a policy version)
 
 
 def world_size() -> int:
@@ -137,11 +149,13 @@ class DataParallel:
         dist.broadcast_object_list(box, src=0)  # between our own ranks only, never from Redis
         return str(box[0])
 
-    def gather_pids(self) -> list[int]:
-        mine = torch.tensor([os.getpid()], dtype=torch.long, device=self.device)
+    def gather_ranks(self, model: nn.Module) -> list[tuple[int, int]]:
+        """Every rank's (pid, parameter elements it holds): the whole model under DDP, its
+        shards under FSDP."""
+        mine = torch.tensor([os.getpid(), local_numel(model)], dtype=torch.long, device=self.device)
         out = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(out, mine)
-        return [int(t.item()) for t in out]
+        return [(int(t[0]), int(t[1])) for t in out]
 
     def sum(self, values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -153,6 +167,9 @@ def wrap(model: nn.Module, dp: DataParallel) -> DistributedDataParallel:
     """DDP over the model; its constructor broadcasts rank 0's weights to every rank."""
     ids = [dp.device.index] if dp.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=ids)
+
+
+_NO_OP = contextlib.nullcontext()
 
 
 def rank_chunks(batch: Batch, micro: int, rank: int, world: int) -> list[slice]:
@@ -175,8 +192,8 @@ def num_chunks(batch: Batch, micro: int, world: int) -> int:
     )
 
 
-def _ddp_train_step(
-    ddp: DistributedDataParallel,
+def _rank_train_step(
+    model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: Batch,
     cfg: LearnerConfig,
@@ -184,9 +201,11 @@ def _ddp_train_step(
     dp: DataParallel,
     ref_model: nn.Module | None = None,
 ) -> StepStats:
-    """``train.train_step`` over ranks: this rank's share of the batch, gradients all-reduced
-    by DDP, then the same clip and AdamW update on every rank."""
-    ddp.train()
+    """``train.train_step`` over ranks: this rank's share of the batch, gradients averaged
+    over ranks (DDP: all-reduced once, after the last micro-batch; FSDP: reduce-scattered to
+    each rank's shards after every micro-batch), then the same clip and AdamW update on every
+    rank (on its shards under FSDP)."""
+    model.train()
     optimizer.zero_grad(set_to_none=True)
     chunks = rank_chunks(batch, cfg.micro_batch_size, dp.rank, dp.world)
     total_chunks = num_chunks(batch, cfg.micro_batch_size, dp.world)
@@ -194,10 +213,12 @@ def _ddp_train_step(
     mine = BatchLoss(0.0, 0.0)
     for i, rows in enumerate(chunks):
         empty = rows.stop <= rows.start
-        sync = contextlib.nullcontext() if i == len(chunks) - 1 else ddp.no_sync()
+        last = i == len(chunks) - 1
+        ddp = isinstance(model, DistributedDataParallel)
+        sync = model.no_sync() if ddp and not last else _NO_OP  # DDP: one all-reduce
         with sync:
             # a rank without rows still joins the all-reduce: one row, weight 0
-            part = chunk_loss(ddp, batch, slice(0, 1) if empty else rows, cfg, ref_model,
+            part = chunk_loss(model, batch, slice(0, 1) if empty else rows, cfg, ref_model,
                               total_chunks)  # fmt: skip
             (part.value * (0.0 if empty else dp.world)).backward()
         if not empty:
@@ -218,10 +239,35 @@ def _ddp_train_step(
 
 
 class Trainer:
-    """Rank 0's side of a step: send the groups, then train on its own share."""
+    """Rank 0's side of a step: send the groups, then train on its own share; under FSDP,
+    also of a checkpoint and of a policy version's weights."""
 
-    def __init__(self, dp: DataParallel, ddp: DistributedDataParallel, pad_token_id: int):
-        self.dp, self.ddp, self.pad = dp, ddp, pad_token_id
+    def __init__(self, dp: DataParallel, model: nn.Module, pad_token_id: int):
+        self.dp, self.model, self.pad = dp, model, pad_token_id
+
+    @property
+    def sharded(self) -> bool:
+        return not isinstance(self.model, DistributedDataParallel)
+
+    def shard_writer(self, optimizer: torch.optim.Optimizer) -> Callable[[Path], None] | None:
+        """Under FSDP, ``save_checkpoint``'s writer: every rank writes its shards into the
+        directory it is given. None under DDP (rank 0 writes the whole model)."""
+        if not self.sharded:
+            return None
+
+        def write(path: Path) -> None:
+            self.dp.send(_Command.CHECKPOINT, 0, str(path).encode())
+            save_shards(path, self.model, optimizer)
+
+        return write
+
+    def full_weights(self) -> dict[str, torch.Tensor] | None:
+        """Under FSDP, the whole weights on rank 0, all-gathered from every rank's shards (for
+        a policy version). None under DDP: rank 0's replica is whole."""
+        if not self.sharded:
+            return None
+        self.dp.send(_Command.GATHER)
+        return full_state_dict(self.model)
 
     def step(
         self,
@@ -235,7 +281,7 @@ class Trainer:
         sent = _StepPayload(cfg.entropy_coef, groups, weights_version)
         self.dp.send(_Command.STEP, step, _ENCODER.encode(sent))
         batch = make_batch(groups, self.pad, cfg.scale_rewards, weights_version)
-        return _ddp_train_step(self.ddp, optimizer, batch, cfg, step, self.dp, ref_model)
+        return _rank_train_step(self.model, optimizer, batch, cfg, step, self.dp, ref_model)
 
     def heartbeat(self) -> None:
         self.dp.send(_Command.HEARTBEAT)
@@ -246,7 +292,7 @@ class Trainer:
 
 def follow(
     dp: DataParallel,
-    ddp: DistributedDataParallel,
+    model: nn.Module,
     optimizer: torch.optim.Optimizer,
     cfg: LearnerConfig,
     pad_token_id: int,
@@ -265,8 +311,27 @@ def follow(
             batch = make_batch(
                 sent.groups, pad_token_id, step_cfg.scale_rewards, sent.weights_version
             )
-            _ddp_train_step(ddp, optimizer, batch, step_cfg, step, dp, ref_model)
+            _rank_train_step(model, optimizer, batch, step_cfg, step, dp, ref_model)
             steps += 1
+        elif command == _Command.GATHER:
+            full_state_dict(model)  # rank 0 keeps the result
+        elif command == _Command.CHECKPOINT:
+            try:
+                save_shards(Path(payload.decode()), model, optimizer)
+            except Exception as e:  # a full disk: rank 0 fails the checkpoint too, and stops us
+                log.error("checkpoint shards not written", error=str(e))
+
+
+def rank_fields(ranks: list[tuple[int, int]]) -> dict[str, str | int]:
+    """The ranks in the learner's progress hash (``streamrl status``): their number, pids and
+    the parameter elements each holds (1/N of the model each under FSDP). Empty: one process."""
+    if not ranks:
+        return {}
+    return {
+        "ranks": len(ranks),
+        "rank_pids": ",".join(str(pid) for pid, _ in ranks),
+        "rank_params": ",".join(str(n) for _, n in ranks),
+    }
 
 
 def launch(nproc: int, args: list[str]) -> int:

@@ -55,7 +55,7 @@ from streamrl.learner._failpoints import failpoint
 from streamrl.learner.batch import has_tokens, is_zero_variance, make_batch, staleness
 from streamrl.learner.checkpoint import CheckpointFailed, Counters, LearnerState, save_checkpoint
 from streamrl.learner.config import LearnerConfig
-from streamrl.learner.distributed import DataParallel, Trainer
+from streamrl.learner.distributed import DataParallel, Trainer, rank_fields
 from streamrl.learner.losses import adapt_entropy_coef
 from streamrl.learner.mismatch import StepLog, weights_version
 from streamrl.learner.outcomes import NO_SIGNAL, SOLVED, Outcomes
@@ -117,9 +117,9 @@ def _open(
     t = load_training(cfg, out, dp)
     reader = GroupsReader(r, shard_list, cfg.consumer, cfg.read_count)
     lrn = _Learner(r, keys, cfg, out, reader, t.model, t.tokenizer, t.optimizer, t.ref_model,
-                   t.state, rank_pids=t.rank_pids)  # fmt: skip
-    if dp is not None and t.ddp is not None:
-        lrn.trainer = Trainer(dp, t.ddp, t.tokenizer.pad_token_id)
+                   t.state, ranks=t.ranks)  # fmt: skip
+    if dp is not None and t.parallel is not None:
+        lrn.trainer = Trainer(dp, t.parallel, t.tokenizer.pad_token_id)
     structlog.contextvars.bind_contextvars(policy_version=t.state.policy_version)
     lrn.reporters = make_reporters(cfg.report_to, out, run, msgspec.structs.asdict(cfg))
     run_config = read_config(r.get(keys.config))
@@ -204,7 +204,7 @@ class _Learner:
     steps: StepLog = field(default_factory=StepLog)  # the last step's figures, for report()
     group_size: int = 0  # from the run config; sets the admission limit the producer obeys
     trainer: Trainer | None = None  # data parallel: rank 0 sends each step to every rank
-    rank_pids: list[int] = field(default_factory=list)
+    ranks: list[tuple[int, int]] = field(default_factory=list)  # (pid, parameter elements held)
 
     reporters: Reporters = field(default_factory=lambda: Reporters([]))
     last_step_at: float = field(default_factory=time.monotonic)
@@ -351,9 +351,10 @@ class _Learner:
 
     def publish(self) -> None:
         st, cfg = self.state, self.cfg
+        weights = self.trainer.full_weights() if self.trainer else None  # FSDP: all-gathered
         pv = publish.publish(
-            self.r, self.keys, self.model, self.tokenizer, self.out / "policy",
-            st.policy_version, st.step, lora=cfg.lora_r > 0, keep=cfg.keep_policy_versions,
+            self.r, self.keys, self.model, self.tokenizer, self.out / "policy", st.policy_version,
+            st.step, lora=cfg.lora_r > 0, keep=cfg.keep_policy_versions, state_dict=weights,
         )  # fmt: skip
         if pv is None:  # not written (a full disk) and so not announced: training goes on
             return
@@ -366,7 +367,8 @@ class _Learner:
         st = self.state
         saved = msgspec.structs.replace(st, checkpoint_step=st.step, checkpoint_time=time.time())
         out, keep = self.out / "checkpoints", self.cfg.keep_checkpoints
-        path = save_checkpoint(out, saved, self.model, self.optimizer, keep)  # or CheckpointFailed
+        writer = self.trainer.shard_writer(self.optimizer) if self.trainer else None  # FSDP
+        path = save_checkpoint(out, saved, self.model, self.optimizer, keep, writer)  # or raises
         st.checkpoint_step, st.checkpoint_time = saved.checkpoint_step, saved.checkpoint_time
         failpoint("after_checkpoint", st.step)
         self.reader.ack(self.unacked)
@@ -390,9 +392,7 @@ class _Learner:
         }
         fields.update(self.steps.fields())  # lr, grad norm, entropy, training mismatch
         fields["entropy_coef"] = round(self.entropy_coef(), 6)
-        if self.rank_pids:
-            fields["ranks"] = len(self.rank_pids)
-            fields["rank_pids"] = ",".join(map(str, self.rank_pids))
+        fields.update(rank_fields(self.ranks))  # data parallel: pids, parameters held
         if self.group_size:
             # admission control: rollouts may run (max_staleness + 1) batches ahead, no more
             batch = self.cfg.batch_groups * self.group_size

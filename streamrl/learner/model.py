@@ -29,8 +29,9 @@ def seed_everything(seed: int) -> None:
         numpy.random.seed(seed)
 
 
-def load_model(cfg: LearnerConfig) -> tuple[nn.Module, Any, torch.device]:
-    """The model to train (a peft model when ``lora_r > 0``), its tokenizer, and the device."""
+def load_model(cfg: LearnerConfig, place: bool = True) -> tuple[nn.Module, Any, torch.device]:
+    """The model to train (a peft model when ``lora_r > 0``), its tokenizer, and the device;
+    ``place``: move the model there (False: it stays on CPU, for FSDP to move its shards)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = _resolve_device(cfg.device)
@@ -50,7 +51,8 @@ def load_model(cfg: LearnerConfig) -> tuple[nn.Module, Any, torch.device]:
             task_type="CAUSAL_LM",
         )
         model = get_peft_model(model, lora)
-    model.to(device)
+    if place:
+        model.to(device)
     model.train()
     return model, tokenizer, device
 

@@ -46,8 +46,15 @@ def _version_dir(policy_dir: Path, version: int) -> Path:
     return policy_dir / f"v{version}"
 
 
-def _write_policy(model: Any, tokenizer: Any, policy_dir: Path, version: int) -> Path:
-    """Write the weights of ``version`` unless they are already on disk."""
+def _write_policy(
+    model: Any,
+    tokenizer: Any,
+    policy_dir: Path,
+    version: int,
+    state_dict: dict[str, Any] | None = None,
+) -> Path:
+    """Write the weights of ``version`` unless they are already on disk; ``state_dict``: the
+    whole weights when ``model`` holds only shards of them (FSDP)."""
     final = _version_dir(policy_dir, version)
     if final.is_dir():
         return final
@@ -59,7 +66,8 @@ def _write_policy(model: Any, tokenizer: Any, policy_dir: Path, version: int) ->
 
     hf_logging.disable_progress_bar()  # else a "Writing model shards" bar per version in the log
     try:
-        model.save_pretrained(tmp, max_shard_size="1000GB")  # one model.safetensors
+        # one model.safetensors
+        model.save_pretrained(tmp, max_shard_size="1000GB", state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
         for f in tmp.iterdir():
             if f.is_file():
@@ -112,11 +120,12 @@ def publish(
     step: int,
     lora: bool,
     keep: int,
+    state_dict: dict[str, Any] | None = None,
 ) -> schema.PolicyVersion | None:
     """Write, digest and announce ``version``; None (logged, nothing announced) when the files
-    cannot be written, as on a full disk."""
+    cannot be written, as on a full disk. ``state_dict``: see ``_write_policy``."""
     try:
-        path = _write_policy(model, tokenizer, policy_dir, version)
+        path = _write_policy(model, tokenizer, policy_dir, version, state_dict)
     except PublishFailed as e:
         log.error(str(e), step=step)
         return None

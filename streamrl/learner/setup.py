@@ -4,8 +4,11 @@ checkpoint to resume from.
 
 Rank 0 chooses the checkpoint (the newest complete one) and tells the other ranks, so every
 rank restores the same weights, optimizer moments and RNG state. The collectives below run in
-the same order on every rank: the checkpoint's path, DDP's broadcast of rank 0's weights, the
-process ids.
+the same order on every rank: the checkpoint's path, DDP's broadcast of rank 0's weights (or,
+under FSDP, the sharded restore), the process ids and parameter counts.
+
+Under ``sharding = "fsdp"`` the model is sharded before the optimizer is made (its parameters
+become the shards), and the reference model (β ≠ 0, full fine-tuning) is sharded too.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import msgspec
 import structlog
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from streamrl.learner.checkpoint import (
     LearnerState,
@@ -32,6 +34,7 @@ from streamrl.learner.checkpoint import (
 from streamrl.learner.config import LearnerConfig
 from streamrl.learner.distributed import DataParallel, follow, world_size, wrap
 from streamrl.learner.model import AdapterDisabled, load_model, load_reference, seed_everything
+from streamrl.learner.sharded import shard
 from streamrl.learner.train import make_optimizer
 
 log = structlog.get_logger("streamrl.learner")
@@ -77,24 +80,33 @@ class Training:
     ref_model: nn.Module | None
     state: LearnerState
     restored: Path | None
-    ddp: DistributedDataParallel | None = None  # data parallel: the model wrapped in DDP
-    rank_pids: list[int] = field(default_factory=list)  # data parallel: every rank's pid
+    # data parallel: the model wrapped in DDP, or the model itself when sharded by FSDP
+    parallel: nn.Module | None = None
+    # data parallel: every rank's pid and the parameter elements it holds
+    ranks: list[tuple[int, int]] = field(default_factory=list)
 
 
 def load_training(cfg: LearnerConfig, out: Path, dp: DataParallel | None) -> Training:
     """The model, its reference (only with ``beta`` != 0: the adapter switched off under
     LoRA, else a frozen copy), AdamW, and the checkpoint under ``out`` restored into them."""
-    model, tokenizer, device = load_model(cfg)
+    sharded = dp is not None and cfg.sharding == "fsdp"
+    model, tokenizer, device = load_model(cfg, place=not sharded)
+    if sharded:
+        model = shard(model)  # its shards move to the rank's device
     ref_model = None
     if cfg.beta != 0.0:
-        ref_model = AdapterDisabled(model) if cfg.lora_r > 0 else load_reference(cfg, device)
+        if cfg.lora_r > 0:
+            ref_model = AdapterDisabled(model)
+        else:
+            ref_model = load_reference(cfg, torch.device("cpu") if sharded else device)
+            ref_model = shard(ref_model) if sharded else ref_model
     optimizer = make_optimizer(model, cfg)
     path = _checkpoint_to_restore(out / "checkpoints", dp)
-    state = restore_checkpoint(path, model, optimizer) if path else LearnerState()
+    state = restore_checkpoint(path, model, optimizer, sharded) if path else LearnerState()
     training = Training(model, tokenizer, optimizer, ref_model, state, path)
     if dp is not None:
-        training.ddp = wrap(model, dp)
-        training.rank_pids = dp.gather_pids()
+        training.parallel = model if sharded else wrap(model, dp)
+        training.ranks = dp.gather_ranks(model)
     return training
 
 
@@ -116,8 +128,9 @@ def run_follower(dp: DataParallel, cfg: LearnerConfig, run: str) -> LearnerState
     t = load_training(cfg, cfg.out_dir(run), dp)
     restored = str(t.restored) if t.restored else None
     log.info("rank started", rank=dp.rank, world=dp.world, restored=restored)
-    assert t.ddp is not None  # load_training wraps the model on every rank
-    t.state.step += follow(dp, t.ddp, t.optimizer, cfg, t.tokenizer.pad_token_id, t.ref_model)
+    assert t.parallel is not None  # load_training wraps the model on every rank
+    pad = t.tokenizer.pad_token_id
+    t.state.step += follow(dp, t.parallel, t.optimizer, cfg, pad, t.ref_model)
     log.info("rank stopped", rank=dp.rank, step=t.state.step)
     dp.close()
     return t.state

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from streamrl.learner.batch import Batch
 from streamrl.learner.config import LearnerConfig
@@ -21,17 +22,32 @@ def sequence_logps(
     attention_mask: Tensor,
     temperature: float,
     prompt_lens: list[int] | None = None,
+    start: int = 0,
 ) -> Tensor:
-    """log π(token t+1 | tokens ≤ t) for every position: (B, L-1) (see ``shifted_logits``
-    for ``prompt_lens``)."""
-    logits = shifted_logits(model, input_ids, attention_mask, prompt_lens)
-    return token_logps(logits, input_ids[:, 1:], temperature)
+    """log π(token t+1 | tokens ≤ t) for positions ``start``..L-2: (B, L-1-start) (see
+    ``shifted_logits``)."""
+    logits = shifted_logits(model, input_ids, attention_mask, prompt_lens, start)
+    return token_logps(logits, input_ids[:, start + 1 :], temperature)
+
+
+def loss_start(prompt_lens: list[int] | None) -> int:
+    """The first position that can carry loss: positions before the shortest prompt's last
+    token predict prompt tokens. Their logits are never computed (``shifted_logits``'s
+    ``start``): with SmolLM2's 49,152-token vocabulary a 45-token prompt's logits are as
+    large as 45 completion tokens' and cost the same softmax passes, for nothing."""
+    return max(0, min(prompt_lens) - 1) if prompt_lens else 0
 
 
 def shifted_logits(
-    model: nn.Module, ids: Tensor, attn: Tensor, prompt_lens: list[int] | None = None
+    model: nn.Module,
+    ids: Tensor,
+    attn: Tensor,
+    prompt_lens: list[int] | None = None,
+    start: int = 0,
 ) -> Tensor:
-    """Logits at positions 0..L-2, (B, L-1, V): position t predicts token t+1.
+    """Logits at positions ``start``..L-2, (B, L-1-start, V): position t predicts token t+1.
+    ``start`` at most the shortest prompt's length - 1 (``loss_start``); the language-model
+    head runs only from there (``logits_to_keep``).
 
     With ``prompt_lens`` (each row's prompt length), rows that share a prompt run it once:
     the samples of a group do. With P the shortest prompt length, when some rows share their
@@ -39,12 +55,15 @@ def shifted_logits(
     every row that has it (an index_select, so gradients flow back through them), and only
     the rest of each row runs per row: a group of 8 ``copy`` samples costs 8 + 8 × 4 token
     positions instead of 8 × 12. Positions inside the head predict prompt tokens, which carry
-    no loss; their logits are returned as 0. Otherwise: one plain forward."""
-    if prompt_lens and 1 <= min(prompt_lens) < ids.size(1):
-        length, width = min(prompt_lens), ids.size(1)
+    no loss: the head's logits are computed at its last position only, those before it (from
+    ``start``) are returned as 0. Otherwise: one plain forward."""
+    width = ids.size(1)
+    if prompt_lens and 1 <= min(prompt_lens) < width:
+        length = min(prompt_lens)
+        assert start <= length - 1, (start, length)
         prompts, row_prompt = torch.unique(ids[:, :length], dim=0, return_inverse=True)
         if prompts.size(0) < ids.size(0):
-            head = model(input_ids=prompts, use_cache=True)
+            head = model(input_ids=prompts, use_cache=True, logits_to_keep=1)
             cache = head.past_key_values
             cache.reorder_cache(row_prompt)  # (distinct prompts) -> (rows), differentiable
             positions = torch.arange(length, width, device=ids.device).expand(ids.size(0), -1)
@@ -55,10 +74,15 @@ def shifted_logits(
                 position_ids=positions,
                 use_cache=False,
             ).logits
-            first = head.logits[row_prompt, length - 1 : length]  # the 1st completion token's
-            before = first.new_zeros(ids.size(0), length - 1, first.size(-1))
+            first = head.logits[row_prompt]  # position length - 1: the 1st completion token's
+            if start == length - 1:
+                return torch.cat([first, tail[:, :-1]], dim=1)
+            before = first.new_zeros(ids.size(0), length - 1 - start, first.size(-1))
             return torch.cat([before, first, tail[:, :-1]], dim=1)
-    return model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+    # logits_to_keep: the last width - start positions (HF's 0 would mean all of them)
+    # use_cache=False: no key/value cache is built for a training forward
+    out = model(input_ids=ids, attention_mask=attn, logits_to_keep=width - start, use_cache=False)
+    return out.logits[:, :-1]
 
 
 @dataclass
@@ -123,13 +147,15 @@ def chunk_loss(
     sum to the batch loss (see ``batch_loss``)."""
     loss_cfg = cfg.loss_config()
     device = next(model.parameters()).device
+    # positions before ``start`` carry no loss in any row: left out of every tensor below
+    start = loss_start(batch.prompt_lens[rows] if batch.prompt_lens else None)
     ids = batch.input_ids[rows].to(device)
     attn = batch.attention_mask[rows].to(device)
-    mask = batch.mask[rows].to(device)
-    behaviour = batch.behaviour_logps[rows].to(device)
+    mask = batch.mask[rows, start:].to(device)
+    behaviour = batch.behaviour_logps[rows, start:].to(device)
     prompt_lens = batch.prompt_lens[rows] if batch.prompt_lens and cfg.share_prompts else None
-    logits = shifted_logits(model, ids, attn, prompt_lens)
-    logps = token_logps(logits, ids[:, 1:], cfg.temperature)
+    logits = shifted_logits(model, ids, attn, prompt_lens, start)
+    logps = token_logps(logits, ids[:, start + 1 :], cfg.temperature)
     if cfg.entropy_coef > 0:
         entropy = token_entropy(logits, mask, cfg.temperature).sum()
     else:
@@ -155,7 +181,7 @@ def chunk_loss(
         if ref_model is None:
             raise ValueError("beta != 0 needs a reference model")
         with torch.no_grad():
-            ref = sequence_logps(ref_model, ids, attn, cfg.temperature, prompt_lens)
+            ref = sequence_logps(ref_model, ids, attn, cfg.temperature, prompt_lens, start)
     loss = policy_loss(
         logps,
         old,
@@ -253,7 +279,10 @@ def make_optimizer(model: nn.Module, cfg: LearnerConfig) -> torch.optim.Optimize
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,
         weight_decay=cfg.weight_decay,
-        foreach=False,  # the same kernels on every run: bitwise reproducible on CPU
+        # one kernel per parameter, the same on every run (bitwise reproducible on CPU), and
+        # TRL's default (transformers' "adamw_torch_fused"); the per-tensor loop took ~15 % of
+        # a SmolLM2-135M step on CPU (bench/learner_step.py)
+        fused=True,
     )
 
 
@@ -286,10 +315,12 @@ def apply_update(
     parallel); ``started``: when the step began (perf_counter), for its wall time."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if cfg.max_grad_norm > 0:
-        norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm, foreach=False))
+        total = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm, foreach=False)
     else:
-        grads = [p.grad.detach().norm() for p in params if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack(grads))) if grads else 0.0
+        grads = [p.grad for p in params if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, foreach=False) if grads else torch.zeros(())
+    # under FSDP the norm is a DTensor, the same on every rank (reduced over the shards)
+    norm = float(total.full_tensor() if isinstance(total, DTensor) else total)
     lr = lr_at(step, cfg)
     for group in optimizer.param_groups:
         group["lr"] = lr

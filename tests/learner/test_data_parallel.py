@@ -1,6 +1,6 @@
 """The data-parallel learner: two gloo ranks on CPU under torchrun train to the weights one
 process reaches on the same groups, and a SIGKILLed rank stops the job; its restart applies
-every group exactly once."""
+every group exactly once. The same for two ranks that shard the model (FSDP2)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 
 from streamrl.bus.keys import Keys
 from streamrl.bus.streams import ensure_groups
-from streamrl.learner.checkpoint import latest_checkpoint, read_state
+from streamrl.learner._failpoints import ENV as FAILPOINT_ENV
+from streamrl.learner.checkpoint import latest_checkpoint, read_state, read_weights
 from streamrl.learner.config import load_learner_config
 from streamrl.learner.loop import run_learner
 from tests.support.waiting import wait_for
@@ -56,16 +57,16 @@ dist_timeout_s = 60
 """
 
 
-def _config(tmp_path: Path, model: Path, name: str) -> Path:
+def _config(tmp_path: Path, model: Path, name: str, extra: str = "") -> Path:
     path = tmp_path / f"{name}.toml"
-    path.write_text(CONFIG.format(model=model, out=tmp_path / name))
+    path.write_text(CONFIG.format(model=model, out=tmp_path / name) + extra)
     return path
 
 
 def _weights(out: Path) -> dict[str, torch.Tensor]:
     ckpt = latest_checkpoint(out / "checkpoints")
     assert ckpt is not None
-    return torch.load(ckpt / "weights.pt", weights_only=True)
+    return read_weights(ckpt)
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +94,13 @@ def reference(redis_server, tiny_dir, tmp_path_factory):
     torch.set_num_threads(threads)
     state = box["state"]
     assert state.step >= 6 and state.counters.dropped_stale > 0
-    return groups, ids, state, _weights(tmp_path / "single")
+    return groups, ids, state, _weights(tmp_path / "single"), tmp_path / "single"
 
 
-def _learn(tmp_path, tiny_dir, redis_url, run, env, launcher: list[str], log, *extra: str):
+def _learn(tmp_path, tiny_dir, redis_url, run, env, launcher: list[str], log, *extra: str,
+           toml: str = ""):  # fmt: skip
     cmd = [
-        *launcher, "learn", "--config", str(_config(tmp_path, tiny_dir, run)),
+        *launcher, "learn", "--config", str(_config(tmp_path, tiny_dir, run, toml)),
         "--redis", redis_url, "--exit-when-idle", "1", *extra,
     ]  # fmt: skip
     # the run in STREAMRL_RUN: torchrun's own parser would take `--run` for `--run-path`;
@@ -135,7 +137,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
 def test_two_ranks_match_one_process(reference, redis_url, r, tiny_dir, tmp_path, subprocess_env):
-    groups, ref_ids, ref_state, ref_weights = reference
+    groups, ref_ids, ref_state, ref_weights, _ = reference
     keys = Keys("ddp")
     ensure_groups(r, keys)
     ids = feed(r, keys, groups)
@@ -169,7 +171,7 @@ def _alive(pid: int) -> bool:
 def test_sigkilled_rank_stops_the_job_and_restart_loses_nothing(
     reference, redis_url, r, tiny_dir, tmp_path, subprocess_env
 ):
-    groups, ref_ids, ref_state, ref_weights = reference
+    groups, ref_ids, ref_state, ref_weights, _ = reference
     keys = Keys("kill")
     ensure_groups(r, keys)
     ids = feed(r, keys, groups)
@@ -213,3 +215,52 @@ def test_sigkilled_rank_stops_the_job_and_restart_loses_nothing(
     assert text.count("learner started") == 2, text[-3000:]
     diff = _compare(ref_state, ref_ids, ref_weights, tmp_path / "kill", ids)
     print(f"after kill and restart, max abs weight diff to one process: {diff:.3g}")
+
+
+def test_sharded_ranks_match_one_process_and_resume_exactly_once(
+    reference, redis_url, r, tiny_dir, tmp_path, subprocess_env
+):
+    """``sharding = "fsdp"``: each rank holds half of the parameters; rank 0 SIGKILLs itself
+    right after the sharded checkpoint of step 4 (before its XACK) and the job goes down; the
+    restart resumes at step 5 and ends where the uninterrupted single-process run ends; the
+    policy versions are whole models."""
+    groups, ref_ids, ref_state, ref_weights, ref_out = reference
+    keys = Keys("fsdp")
+    ensure_groups(r, keys)
+    ids = feed(r, keys, groups)
+    log_path = tmp_path / "fsdp.log"
+    launcher = [*TORCHRUN, "--nproc-per-node=2", "-m", "streamrl.cli"]
+    toml = 'sharding = "fsdp"\n'
+    ckpts = tmp_path / "fsdp" / "checkpoints"
+    with open(log_path, "wb") as log:
+        for failpoint in ("after_checkpoint@4", ""):
+            env = {**subprocess_env, FAILPOINT_ENV: failpoint}
+            proc = _learn(tmp_path, tiny_dir, redis_url, "fsdp", env, launcher, log, toml=toml)
+            try:
+                ok = proc.wait(timeout=180) == 0
+                assert ok != bool(failpoint), log_path.read_text()[-3000:]  # killed: non-zero
+            finally:
+                _stop(proc)
+            if failpoint:
+                assert read_state(latest_checkpoint(ckpts)).step == 4
+    text = log_path.read_text()
+    assert text.count("learner started") == 2, text[-3000:]
+    assert f'"restored": "{ckpts / "step-00000004"}"' in text, text[-3000:]
+    diff = _compare(ref_state, ref_ids, ref_weights, tmp_path / "fsdp", ids)
+    # each rank wrote its own shards, and holds half of the parameters
+    ckpt = latest_checkpoint(ckpts)
+    shards = sorted(p.name for p in (ckpt / "sharded").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"] and not (ckpt / "weights.pt").exists()
+    held = [int(n) for n in r.hget(keys.learner, "rank_params").split(b",")]
+    total = sum(w.numel() for w in ref_weights.values())
+    assert sum(held) == total and max(held) <= total // 2 + 64, (held, total)
+    # the newest policy version: a whole model, as the single-process run wrote it
+    last = f"v{ref_state.policy_version}/model.safetensors"
+    ref_policy = load_file(ref_out / "policy" / last)
+    policy = load_file(tmp_path / "fsdp" / "policy" / last)
+    assert policy.keys() == ref_policy.keys()
+    pdiff = max(float((policy[n] - w).abs().max()) for n, w in ref_policy.items())
+    assert pdiff <= TOLERANCE, pdiff
+    print(f"fsdp ranks hold {held} of {total} parameters; after kill at step 4 and restart, "
+          f"max abs weight diff to one process: {diff:.3g} (policy v{ref_state.policy_version}: "
+          f"{pdiff:.3g})")  # fmt: skip
