@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from streamrl.local.embedded import EmbeddedRedis  # noqa: E402
+from streamrl.local.procs import stop_all  # noqa: E402
 from tests.support.nemo_gym import COUNTER_TOOLS, counter_row, free_port  # noqa: E402
 from tests.support.nemo_gym_kills import run_mode_kill_run  # noqa: E402
 from tests.support.nemo_gym_venv import nemo_gym_python  # noqa: E402
@@ -88,13 +89,8 @@ class Procs:
                 time.sleep(0.5)
 
     def stop(self) -> None:
-        for _, proc, log in reversed(self.procs):
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all([proc for _, proc, _ in self.procs], grace_s=15.0)  # newest first
+        for _, _, log in self.procs:
             log.close()
 
 
