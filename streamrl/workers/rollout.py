@@ -347,7 +347,11 @@ class _RolloutLease:
             # the run's environments that drive their own episodes get the policy endpoint
             # before any task is taken: a worker that cannot listen there fails its lease
             for name in [e.name for e in cfg.envs] or [cfg.env]:
-                await self.endpoints.for_env(self.table.env(name))
+                try:
+                    env = self.table.env(name)
+                except Exception:  # built again by its first task, which dead-letters it as before
+                    continue
+                await self.endpoints.for_env(env)
             await self.watch.load()
             await self.policy.refresh()  # serve the newest version from the first task on
             await self.watch.check(self.policy, self.config)
