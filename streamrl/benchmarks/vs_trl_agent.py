@@ -116,7 +116,13 @@ def streamrl_side(config: Path, model: Path, seconds: float, stop_reward: float)
 
 
 def trl_side(
-    model: Path, config: Path, lr: float, seconds: float, stop_reward: float, every: float
+    model: Path,
+    config: Path,
+    lr: float,
+    seconds: float,
+    stop_reward: float,
+    every: float,
+    threads: int = 2,
 ) -> dict:
     """``streamrl.benchmarks.trl_agent`` as its own process, stopped ``seconds`` after its
     launch if it has not stopped itself (it can only stop between steps); the snapshots it
@@ -125,7 +131,7 @@ def trl_side(
     argv = [sys.executable, "-m", "streamrl.benchmarks.trl_agent",
             "--model", str(work / "models" / model.name), "--snapshots", str(work / "snaps"),
             "--lr", str(lr), "--seconds", str(seconds), "--stop-reward", str(stop_reward),
-            "--snapshot-every", str(every)]  # fmt: skip
+            "--snapshot-every", str(every), "--threads", str(threads)]  # fmt: skip
     log = open(work / "trl.log", "wb")  # noqa: SIM115
     launched = time.time()
     proc = subprocess.Popen(argv, cwd=work, stdout=subprocess.PIPE, stderr=log,
