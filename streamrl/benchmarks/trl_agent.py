@@ -2,7 +2,7 @@
 (``environment_factory``), in one process on the CPU, matched to ``configs/smollm2-lookup.toml``.
 
     python -m streamrl.benchmarks.trl_agent --model models/smollm2-135m --snapshots DIR \
-        [--lr 3e-5] [--seconds 600] [--threads 2] [--seed 0]
+        [--lr 1e-4] [--seconds 600] [--threads 2] [--seed 0]
 
 What is matched, and how (``streamrl bench vs-trl --task lookup`` runs it):
 
@@ -155,7 +155,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--snapshots", type=Path, required=True)
-    ap.add_argument("--lr", type=float, default=3e-5)
+    ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seconds", type=float, default=600.0)
     ap.add_argument("--snapshot-every", type=float, default=60.0)
     ap.add_argument("--stop-reward", type=float, default=2.0)

@@ -189,7 +189,7 @@ def first_reaching(side: dict, target: float, prompts: int, k: int, say) -> dict
 
 def vs_trl_agent(
     runs: int = 3,
-    trl_lr: float = 3e-5,
+    trl_lr: float = 1e-4,
     seconds: float = 480.0,
     trl_seconds: float | None = None,
     target: float = 0.5,

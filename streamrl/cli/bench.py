@@ -270,7 +270,8 @@ def bench_soak(minutes, kill_every_s, sample_s, seed, plot_path, directory, as_j
     "--trl-lr",
     type=click.FloatRange(min=0, min_open=True),
     default=None,
-    help="TRL's learning rate (default: its fastest measured on the task: copy 5e-4, lookup 3e-5).",
+    help="TRL's learning rate (default: its fastest measured on the task: copy 5e-4, lookup 1e-4; "
+    "bench/trl_agent_lr.py sweeps it on lookup).",
 )
 @click.option(
     "--seconds",
@@ -331,7 +332,8 @@ def bench_soak(minutes, kill_every_s, sample_s, seed, plot_path, directory, as_j
     default=60.0,
     show_default=True,
     help="lookup: seconds of TRL training between its weight snapshots (each one is evaluated "
-    "afterwards until one reaches the target: fewer snapshots, shorter evaluation).",
+    "afterwards until one reaches the target: fewer snapshots, shorter evaluation; 1: after "
+    "every step, TRL's earliest time).",
 )
 @click.option(
     "--together",
@@ -359,7 +361,7 @@ def bench_vs_trl(
             )
         res = vs_trl_agent(
             runs=runs,
-            trl_lr=trl_lr if trl_lr is not None else 3e-5,
+            trl_lr=trl_lr if trl_lr is not None else 1e-4,
             seconds=seconds or 480.0,
             trl_seconds=trl_seconds,
             target=target if target is not None else 0.5,
