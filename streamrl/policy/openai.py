@@ -55,18 +55,28 @@ every ``reload_check_s``, and is reported as ``reload_error`` until a later sync
 Before asking the server to load a version, the worker checks its files against the version's
 digests when it can see the directory (``streamrl.policy.integrity``), and refuses a mismatch.
 
+Many workers, many servers. ``max_inflight_per_server`` (0: no bound) caps the requests on
+the server across every worker of the run that uses it (Redis leases of ``slot_lease_s``,
+``streamrl.policy.server_slots``); a request waits for a slot as long as it takes, which is
+never a failure. A worker talks to ``STREAMRL_POLICY_BASE_URL`` when set (``streamrl worker
+rollout --policy-url``: one pool of workers per server), else to ``base_url``; every worker
+that syncs updates the server it talks to, so each server follows the learner on its own.
+
 Options: ``api_key``, ``timeout_s`` (600), ``connect_timeout_s`` (10), ``max_connections``
 (256), ``retries`` (4), ``backoff_s`` (0.5), ``backoff_max_s`` (8), ``sync``
 (none|lora|weights), ``lora_prefix`` (policy), ``keep_adapters`` (2), ``weights_method``,
 ``pause_mode`` (wait), ``reload_check_s`` (1.0), ``seed`` (0), ``tool_choice`` (none),
-``extra_body`` ({}), ``trust_env`` (true), ``version_retries`` (3), ``down_wait_s`` (300).
+``extra_body`` ({}), ``trust_env`` (true), ``version_retries`` (3), ``down_wait_s`` (300),
+``max_inflight_per_server`` (0), ``slot_lease_s`` (30).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -76,7 +86,7 @@ import structlog
 
 from streamrl.bus.keys import Keys
 from streamrl.config import PolicyConfig
-from streamrl.defaults import DEFAULT_RUN, RELOAD_ERROR_LOG_EVERY_S
+from streamrl.defaults import DEFAULT_RUN, POLICY_URL_ENV, RELOAD_ERROR_LOG_EVERY_S
 from streamrl.envs.base import Environment
 from streamrl.http import Retryable, RetryPolicy, httpx_api, server_root
 from streamrl.log import Repeats
@@ -84,6 +94,7 @@ from streamrl.policy._openai_wire import ChatWire
 from streamrl.policy._versions import latest_version
 from streamrl.policy.base import Policy, PolicyError, PolicyRequest
 from streamrl.policy.integrity import verify_dir
+from streamrl.policy.server_slots import ServerSlots
 from streamrl.schema import ModelTurn, PolicyVersion
 
 log = structlog.get_logger(__name__)
@@ -113,17 +124,22 @@ class OpenAIPolicy(Policy):
         redis_url: str | None = None,
         run: str = DEFAULT_RUN,
     ) -> None:
-        if not config.base_url or not config.model:
+        url = os.environ.get(POLICY_URL_ENV) or config.base_url  # this worker's pool's server
+        if not url or not config.model:
             raise ValueError("the openai backend needs policy.base_url and policy.model")
         opts = config.options
         self.config = config
         self.env = env
-        self.root = server_root(config.base_url)
+        self.root = server_root(url)
         self.sync = str(opts.get("sync", "none"))
         if self.sync not in _SYNC_MODES:
             raise ValueError(f"policy.options.sync must be one of {_SYNC_MODES}, not {self.sync!r}")
         if self.sync != "none" and redis_url is None:
             raise ValueError(f"sync={self.sync!r} needs a Redis URL to watch the policy stream")
+        self.max_inflight = int(opts.get("max_inflight_per_server", 0))
+        if self.max_inflight > 0 and redis_url is None:
+            raise ValueError("max_inflight_per_server needs a Redis URL (its slots live there)")
+        self.slot_lease_s = float(opts.get("slot_lease_s", 30.0))
         self._retry = RetryPolicy(
             tries=int(opts.get("retries", 4)) + 1,
             backoff_s=float(opts.get("backoff_s", 0.5)),
@@ -166,8 +182,9 @@ class OpenAIPolicy(Policy):
         self.keys = Keys(run)
         self._redis_url = redis_url
         self._redis: Any = None
-        server_id = hashlib.sha1(self.root.encode()).hexdigest()[:12]
-        self._served_key = self.keys.key("served", server_id)
+        self.server_id = hashlib.sha1(self.root.encode()).hexdigest()[:12]
+        self._served_key = self.keys.served(self.server_id)
+        self._slots: ServerSlots | None = None  # with max_inflight_per_server, on first use
         self._model = config.model  # what requests name: the base model or an adapter
         self._version = 0
         self._reload_error: str | None = None
@@ -195,31 +212,59 @@ class OpenAIPolicy(Policy):
         """The model name requests are sent to now."""
         return self._model
 
+    @property
+    def server(self) -> str:
+        return self.root
+
+    @property
+    def requests(self) -> tuple[int, int]:
+        waiting = self._slots.waiting if self._slots is not None else 0
+        return self._inflight, waiting
+
+    def _conn(self) -> Any:
+        if self._redis is None:
+            from streamrl.connection import connect_async
+
+            self._redis = connect_async(self._redis_url, resilient=True)
+        return self._redis
+
+    def _slot(self) -> Any:
+        """The server slot a request holds while it is on the server (no bound: none)."""
+        if self.max_inflight <= 0:
+            return contextlib.nullcontext()
+        if self._slots is None:
+            key = self.keys.server_slots(self.server_id)
+            owner = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+            self._slots = ServerSlots(self._conn(), key, self.max_inflight,
+                                      lease_s=self.slot_lease_s, owner=owner)  # fmt: skip
+        return self._slots.slot()
+
     # ------------------------------------------------------------------ turns
 
     async def respond(self, request: PolicyRequest) -> ModelTurn:
         await self._maybe_sync()
         for _ in range(self.version_retries + 1):
-            await self._open.wait()
-            self._inflight += 1
-            self._idle.clear()
-            started = time.perf_counter()
-            try:
-                served = await self._weight_label()
-                sent_version = self._version if served is None else served
-                data, headers = await self._chat(self._wire.body(request, self._model))
-                # The weights changed while this request was on the server: its tokens may
-                # come from either version, so it is asked again (never stamped by a guess).
-                if served is not None and await self._weight_label() != served:
-                    self.version_resends += 1
-                    continue
-                if _aborted(data):  # a /pause?mode=abort by another updater
-                    self.version_resends += 1
-                    continue
-            finally:
-                self._inflight -= 1
-                if self._inflight == 0:
-                    self._idle.set()
+            async with self._slot():  # waits while the server has max_inflight_per_server
+                await self._open.wait()
+                self._inflight += 1
+                self._idle.clear()
+                started = time.perf_counter()
+                try:
+                    served = await self._weight_label()
+                    sent_version = self._version if served is None else served
+                    data, headers = await self._chat(self._wire.body(request, self._model))
+                    # The weights changed while this request was on the server: its tokens may
+                    # come from either version, so it is asked again (never stamped by a guess)
+                    if served is not None and await self._weight_label() != served:
+                        self.version_resends += 1
+                        continue
+                    if _aborted(data):  # a /pause?mode=abort by another updater
+                        self.version_resends += 1
+                        continue
+                finally:
+                    self._inflight -= 1
+                    if self._inflight == 0:
+                        self._idle.set()
             seconds = time.perf_counter() - started
             return self._wire.turn(request, data, headers, sent_version, seconds)
         raise PolicyError(
@@ -339,6 +384,8 @@ class OpenAIPolicy(Policy):
 
     async def close(self) -> None:
         await self._client.aclose()
+        if self._slots is not None:
+            await self._slots.close()
         if self._redis is not None:
             await self._redis.aclose()
             self._redis = None
@@ -371,10 +418,7 @@ class OpenAIPolicy(Policy):
         await self._maybe_sync()
 
     async def _sync_once(self) -> None:
-        if self._redis is None:
-            from streamrl.connection import connect_async
-
-            self._redis = connect_async(self._redis_url, resilient=True)
+        self._conn()
         served = await self._read_served()
         if self.sync != "none":
             latest = await latest_version(self._redis, self.keys)
