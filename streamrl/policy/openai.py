@@ -90,7 +90,7 @@ from streamrl.defaults import DEFAULT_RUN, POLICY_URL_ENV, RELOAD_ERROR_LOG_EVER
 from streamrl.envs.base import Environment
 from streamrl.http import Retryable, RetryPolicy, httpx_api, server_root
 from streamrl.log import Repeats
-from streamrl.policy._openai_wire import ChatWire
+from streamrl.policy._openai_wire import ChatWire, HTTPStatusError, aborted, label_version
 from streamrl.policy._versions import latest_version
 from streamrl.policy.base import Policy, PolicyError, PolicyRequest
 from streamrl.policy.integrity import verify_dir
@@ -103,14 +103,6 @@ _RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 _SYNC_MODES = ("none", "lora", "weights")
 _WEIGHTS_METHOD = "reload_weights"
 _LOCK_MS = 300_000
-
-
-class _HTTPStatusPolicyError(PolicyError):
-    """A non-retryable HTTP status, kept for the caller."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class OpenAIPolicy(Policy):
@@ -258,7 +250,7 @@ class OpenAIPolicy(Policy):
                     if served is not None and await self._weight_label() != served:
                         self.version_resends += 1
                         continue
-                    if _aborted(data):  # a /pause?mode=abort by another updater
+                    if aborted(data):  # a /pause?mode=abort by another updater
                         self.version_resends += 1
                         continue
                 finally:
@@ -281,7 +273,7 @@ class OpenAIPolicy(Policy):
         while True:
             try:
                 return await self._chat_once(body)
-            except _HTTPStatusPolicyError:
+            except HTTPStatusError:
                 raise
             except PolicyError:
                 if not await self._wait_until_up(deadline):
@@ -306,7 +298,7 @@ class OpenAIPolicy(Policy):
     async def _chat_once(self, body: dict[str, Any]) -> tuple[Any, Any]:
         try:
             return await self._post("/v1/chat/completions", body)
-        except _HTTPStatusPolicyError as e:
+        except HTTPStatusError as e:
             # The adapter we named was unloaded meanwhile (another client moved the
             # server on): ask again under the name now being served.
             if e.status != 404 or self.sync == "weights":
@@ -328,7 +320,7 @@ class OpenAIPolicy(Policy):
             self._weight_info = False
             return None
         self._weight_info = True
-        version = _label_version(data.get("weight_version"))
+        version = label_version(data.get("weight_version"))
         if version > self._version and self._open.is_set():
             self._version = version  # another client moved the server on
         return version
@@ -371,9 +363,7 @@ class OpenAIPolicy(Policy):
                 return None, None
             error = f"HTTP {resp.status_code}: {resp.text[:500]}"
             if resp.status_code not in _RETRY_STATUS:
-                raise _HTTPStatusPolicyError(
-                    f"{method} {self.root}{path}: {error}", resp.status_code
-                )
+                raise HTTPStatusError(f"{method} {self.root}{path}: {error}", resp.status_code)
             raise Retryable(error)
 
         def give_up(last: BaseException) -> PolicyError:
@@ -515,24 +505,10 @@ class OpenAIPolicy(Policy):
                 label = {"new_version": str(pv.version)}
                 await self._post("/update_weight_version", label, optional=True)
                 data, _ = await self._post("/weight_info", method="GET", optional=True)
-                if data is not None and _label_version(data.get("weight_version")) != pv.version:
+                if data is not None and label_version(data.get("weight_version")) != pv.version:
                     raise PolicyError(f"after loading v{pv.version} the server reports {data!r}")
             finally:
                 await self._post("/resume", optional=True, expect_json=False)
             self._version = pv.version
         finally:
             self._open.set()
-
-
-def _label_version(label: Any) -> int:
-    """vLLM's weight label as a policy version: ``"7"`` -> 7; its start-up label
-    (``"default"``) -> 0, the base model."""
-    text = str(label or "").strip()
-    return int(text) if text.isdigit() else 0
-
-
-def _aborted(data: Any) -> bool:
-    try:
-        return data["choices"][0].get("finish_reason") == "abort"
-    except (KeyError, IndexError, TypeError, AttributeError):
-        return False

@@ -48,7 +48,7 @@ def test_bound_holds_across_processes_and_a_killed_holders_slots_come_back(
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     victim = _client(vllm, redis_url, run_name, subprocess_env, 60)
-    survivor = _client(vllm, redis_url, run_name, subprocess_env, 14)
+    survivor = _client(vllm, redis_url, run_name, subprocess_env, 60)
     try:
         for p in (victim, survivor):
             assert p.stdout is not None and p.stdout.readline().strip() == "started"
@@ -64,6 +64,14 @@ def test_bound_holds_across_processes_and_a_killed_holders_slots_come_back(
         victim.wait()
         wait_for(lambda: victims() == 0, "the killed client's slots never came back", 10)
         freed_after = time.monotonic() - killed_at
+        wait_for(
+            lambda: (
+                max((s[1] for s in samples if s[0] > killed_at + freed_after), default=0) >= BOUND
+            ),
+            "the survivor never used the freed slots",
+            30,
+        )
+        survivor.terminate()  # its loops end after their requests; it reports
         out, _ = survivor.communicate(timeout=120)
     finally:
         stop.set()
@@ -75,11 +83,9 @@ def test_bound_holds_across_processes_and_a_killed_holders_slots_come_back(
     result = json.loads(out.strip().splitlines()[-1])
     on_server = [s[1] for s in samples]
     leases = [s[2] for s in samples]
-    after = [s[1] for s in samples if s[0] > killed_at + freed_after]
     print(f"samples {len(samples)}, server peak {max(on_server)}, leases peak {max(leases)}, "
           f"slots freed {freed_after:.1f} s after the kill, survivor {result}")  # fmt: skip
     assert max(on_server) == BOUND, on_server  # reached, never passed
     assert max(leases) <= BOUND
     assert freed_after < LEASE_S + 2.0
     assert result["turns"] > 0 and result["waited_s"] > 0
-    assert after and max(after) == BOUND, "the survivor never used the freed slots"

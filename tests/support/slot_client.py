@@ -1,6 +1,6 @@
 """A process of the ``openai`` backend with ``max_inflight_per_server``: CONCURRENCY request
-loops against a server for SECONDS, then one JSON line (turns answered, seconds waited for
-slots). What a rollout worker's policy does, without the rest of the worker.
+loops against a server for SECONDS (or until SIGTERM), then one JSON line (turns answered,
+seconds waited for slots). What a rollout worker's policy does, without the rest of the worker.
 
 ``python -m tests.support.slot_client URL REDIS_URL RUN BOUND LEASE_S CONCURRENCY SECONDS``
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 import time
 
@@ -31,6 +32,12 @@ async def main(url: str, redis_url: str, run: str, bound: int, lease_s: float,
     policy = OpenAIPolicy(config, None, redis_url=redis_url, run=run)
     turns = 0
     end = time.monotonic() + seconds
+
+    def stop() -> None:
+        nonlocal end
+        end = 0.0  # the loops end after the requests they are in
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop)
 
     async def loop(i: int) -> None:
         nonlocal turns
