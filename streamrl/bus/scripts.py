@@ -527,3 +527,42 @@ end
 redis.call('PEXPIRE', KEYS[1], lease + 1000)
 return lost
 """
+
+# Which of a run's policy servers (``[policy] base_url`` as a list) a rollout worker talks to:
+# the one it was given while its assignment lives (a worker keeps its server across leases),
+# else the one fewest live workers were given (the first of them on a tie). An assignment
+# lives ARGV[2] ms after the worker last asked; the worker asks again well before, so a worker
+# that is gone stops counting that long after. One script: two workers asking at once cannot
+# both take the emptiest server.
+# KEYS[1]=hash worker -> server URL, KEYS[2]=zset worker -> when the assignment ends (Redis
+# ms). ARGV: worker, ttl_ms, the server it talks to now ('' before its first pick: a worker
+# whose assignment ended mid-lease keeps its server), server URLs. Returns its server URL.
+SERVER_PICK = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
+for _, w in ipairs(gone) do redis.call('HDEL', KEYS[1], w) end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+local count = {}
+for j = 4, #ARGV do count[ARGV[j]] = 0 end
+local mine = redis.call('HGET', KEYS[1], ARGV[1])
+if not (mine and count[mine]) and count[ARGV[3]] then
+  mine = ARGV[3]
+  redis.call('HSET', KEYS[1], ARGV[1], mine)
+elseif not (mine and count[mine]) then
+  local all = redis.call('HGETALL', KEYS[1])
+  for j = 1, #all, 2 do
+    if all[j] ~= ARGV[1] and count[all[j + 1]] then count[all[j + 1]] = count[all[j + 1]] + 1 end
+  end
+  mine = ARGV[4]
+  for j = 5, #ARGV do
+    if count[ARGV[j]] < count[mine] then mine = ARGV[j] end
+  end
+  redis.call('HSET', KEYS[1], ARGV[1], mine)
+end
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
+local ttl = tonumber(ARGV[2]) + 1000
+redis.call('PEXPIRE', KEYS[1], ttl)
+redis.call('PEXPIRE', KEYS[2], ttl)
+return mine
+"""

@@ -55,12 +55,13 @@ every ``reload_check_s``, and is reported as ``reload_error`` until a later sync
 Before asking the server to load a version, the worker checks its files against the version's
 digests when it can see the directory (``streamrl.policy.integrity``), and refuses a mismatch.
 
-Many workers, many servers. ``max_inflight_per_server`` (0: no bound) caps the requests on
-the server across every worker of the run that uses it (Redis leases of ``slot_lease_s``,
-``streamrl.policy.server_slots``); a request waits for a slot as long as it takes, which is
+Many workers, many servers (``streamrl.policy.server_slots``). ``max_inflight_per_server``
+(0: no bound) caps the requests on the server across every worker of the run that uses it
+(Redis leases of ``slot_lease_s``); a request waits for a slot as long as it takes, which is
 never a failure. A worker talks to ``STREAMRL_POLICY_BASE_URL`` when set (``streamrl worker
-rollout --policy-url``: one pool of workers per server), else to ``base_url``; every worker
-that syncs updates the server it talks to, so each server follows the learner on its own.
+rollout --policy-url``: one pool of workers per server), else to ``base_url``, which may be a
+list: each worker is then given the server fewest live workers use, and keeps it. Every worker
+that syncs updates its own server, so each server follows the learner on its own.
 
 Options: ``api_key``, ``timeout_s`` (600), ``connect_timeout_s`` (10), ``max_connections``
 (256), ``retries`` (4), ``backoff_s`` (0.5), ``backoff_max_s`` (8), ``sync``
@@ -79,7 +80,6 @@ import os
 import socket
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import structlog
@@ -93,8 +93,8 @@ from streamrl.log import Repeats
 from streamrl.policy._openai_wire import ChatWire, HTTPStatusError, aborted, label_version
 from streamrl.policy._versions import latest_version
 from streamrl.policy.base import Policy, PolicyError, PolicyRequest
-from streamrl.policy.integrity import verify_dir
-from streamrl.policy.server_slots import ServerSlots
+from streamrl.policy.integrity import check_served_version
+from streamrl.policy.server_slots import PICK_RENEW_S, ServerSlots, pick_server
 from streamrl.schema import ModelTurn, PolicyVersion
 
 log = structlog.get_logger(__name__)
@@ -115,14 +115,20 @@ class OpenAIPolicy(Policy):
         *,
         redis_url: str | None = None,
         run: str = DEFAULT_RUN,
+        worker: str = "",
     ) -> None:
-        url = os.environ.get(POLICY_URL_ENV) or config.base_url  # this worker's pool's server
-        if not url or not config.model:
+        pinned = os.environ.get(POLICY_URL_ENV)  # this worker's pool's server
+        urls = [pinned] if pinned else config.base_url
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        if not all(urls) or not urls or not config.model:
             raise ValueError("the openai backend needs policy.base_url and policy.model")
         opts = config.options
         self.config = config
         self.env = env
-        self.root = server_root(url)
+        self.servers = [server_root(u) for u in urls]
+        self.worker = worker or f"{socket.gethostname()}-{os.getpid()}"
+        self.root = ""  # the server of this client: picked on first use when there are several
+        self._pick_due = float("-inf")
         self.sync = str(opts.get("sync", "none"))
         if self.sync not in _SYNC_MODES:
             raise ValueError(f"policy.options.sync must be one of {_SYNC_MODES}, not {self.sync!r}")
@@ -158,7 +164,7 @@ class OpenAIPolicy(Policy):
         api_key = opts.get("api_key") or os.environ.get("OPENAI_API_KEY")
         max_conn = int(opts.get("max_connections", 256))
         self._client = http.AsyncClient(
-            base_url=self.root,
+            base_url=self.servers[0],
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
             timeout=http.Timeout(
                 float(opts.get("timeout_s", 600.0)),
@@ -174,8 +180,9 @@ class OpenAIPolicy(Policy):
         self.keys = Keys(run)
         self._redis_url = redis_url
         self._redis: Any = None
-        self.server_id = hashlib.sha1(self.root.encode()).hexdigest()[:12]
-        self._served_key = self.keys.served(self.server_id)
+        self._bind_lock = asyncio.Lock()
+        if len(self.servers) == 1:
+            self._bind(self.servers[0])
         self._slots: ServerSlots | None = None  # with max_inflight_per_server, on first use
         self._model = config.model  # what requests name: the base model or an adapter
         self._version = 0
@@ -383,6 +390,7 @@ class OpenAIPolicy(Policy):
     # ------------------------------------------------------------------ versions
 
     async def _maybe_sync(self, force: bool = False) -> None:
+        await self._pick()
         if self._redis_url is None:
             return
         if not force and time.monotonic() - self._last_check < self.reload_check_s:
@@ -406,6 +414,29 @@ class OpenAIPolicy(Policy):
 
     async def refresh(self) -> None:
         await self._maybe_sync()
+
+    def _bind(self, root: str) -> None:
+        self.root = root
+        self._client.base_url = root
+        self.server_id = hashlib.sha1(root.encode()).hexdigest()[:12]
+        self._served_key = self.keys.served(self.server_id)
+
+    async def _pick(self) -> None:
+        """Of several servers, the one this worker is given (``server_slots.pick_server``),
+        renewed while it runs; without Redis, by process id."""
+        if len(self.servers) == 1 or time.monotonic() < self._pick_due:
+            return
+        async with self._bind_lock:
+            if time.monotonic() < self._pick_due:
+                return
+            url = self.servers[os.getpid() % len(self.servers)]
+            if self._redis_url is not None:
+                mine = (self.worker, self.root, self.servers)
+                url = await pick_server(self._conn(), self.keys, *mine)
+            if not self.root:
+                self._bind(url)
+                log.info("policy server picked", server=url, worker=self.worker)
+            self._pick_due = time.monotonic() + PICK_RENEW_S
 
     async def _sync_once(self) -> None:
         self._conn()
@@ -444,7 +475,8 @@ class OpenAIPolicy(Policy):
         Public so that a learner or an operator can push a version without the stream."""
         if pv.format not in ("lora", "safetensors"):
             return
-        await self._check_digests(pv)
+        await self._pick()
+        await check_served_version(pv, self._repeats)
         try:
             if pv.format == "lora":
                 await self._load_lora(pv)
@@ -459,19 +491,6 @@ class OpenAIPolicy(Policy):
         log.info(
             "server policy updated", policy_version=pv.version, model=self._model, server=self.root
         )
-
-    async def _check_digests(self, pv: PolicyVersion) -> None:
-        """Refuse files that are not the learner's before the server loads them. The server
-        reads ``pv.path`` itself; where this worker cannot see that path, it says so once."""
-        if not pv.digests:
-            return
-        if Path(pv.path).is_dir():
-            await asyncio.to_thread(verify_dir, Path(pv.path), pv.digests)
-        elif self._repeats.check("unverified", pv.path) is not None:
-            log.warning(
-                "policy version not checked: its directory is not visible to this worker",
-                path=pv.path, policy_version=pv.version,
-            )  # fmt: skip
 
     async def _load_lora(self, pv: PolicyVersion) -> None:
         name = self._wire.adapter(pv.version)

@@ -1,5 +1,6 @@
-"""A bound on the requests in flight on one policy server, shared by every rollout worker of a
-run that uses it (the ``openai`` backend's ``max_inflight_per_server``).
+"""The policy servers of a run, shared by its rollout workers: a bound on the requests in
+flight on one server across every worker that uses it (the ``openai`` backend's
+``max_inflight_per_server``), and which server a worker uses when there are several.
 
 A per-process limit multiplies with the workers; this one is a sorted set in Redis
 (``Keys.server_slots``) that holds one *lease* per request on the server. A request takes a
@@ -14,6 +15,11 @@ a slow server), it never raises and never costs its episode a delivery. Within o
 waiters queue in order (an ``asyncio.Lock`` is FIFO) and only the first one asks Redis, every
 ``poll_s`` or at once when one of this process's requests gives its slot back; between
 processes the first to ask after a slot frees gets it.
+
+Several servers (``[policy] base_url`` as a list): ``pick_server`` gives a worker the server the
+fewest live workers were given (``scripts.SERVER_PICK``, atomic, so workers that start together
+spread evenly) and keeps it across the worker's leases; a worker renews its assignment every
+``PICK_RENEW_S`` and one that is gone stops counting ``SERVER_PICK_TTL_S`` later.
 """
 
 from __future__ import annotations
@@ -28,8 +34,20 @@ from typing import Any
 import structlog
 
 from streamrl.bus import scripts
+from streamrl.bus.keys import Keys
+from streamrl.defaults import SERVER_PICK_TTL_S
 
 log = structlog.get_logger(__name__)
+
+PICK_RENEW_S = SERVER_PICK_TTL_S / 4
+
+
+async def pick_server(r: Any, keys: Keys, worker: str, current: str, servers: list[str]) -> str:
+    """The server ``worker`` uses (``current``: the one it uses now, '' before its first)."""
+    pick = r.register_script(scripts.SERVER_PICK)
+    args = [worker, int(SERVER_PICK_TTL_S * 1000), current, *servers]
+    url = await pick(keys=list(keys.server_picks), args=args)
+    return url.decode() if isinstance(url, bytes) else str(url)
 
 
 class ServerSlots:

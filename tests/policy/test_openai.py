@@ -15,7 +15,7 @@ from streamrl.bus.keys import Keys
 from streamrl.config import PolicyConfig
 from streamrl.defaults import POLICY_URL_ENV
 from streamrl.models.tiny import build_model, build_tokenizer
-from streamrl.policy import PolicyError, make_policy
+from streamrl.policy import PolicyError, check_policy, make_policy
 from streamrl.policy.base import PolicyRequest
 from streamrl.policy.openai import OpenAIPolicy
 from streamrl.schema import FunctionCall, FunctionTool, Message, PolicyVersion, encode
@@ -104,6 +104,43 @@ def test_a_pinned_server_and_requests_that_wait_for_its_slot(
     assert max(s[0] for s in seen) == 1 and max(s[1] for s in seen) >= 2, sorted(set(seen))
     assert policy.requests == (0, 0)
     assert r.zcard(Keys(run_name).server_slots(policy.server_id)) == 0
+
+
+def test_base_url_as_a_list_spreads_workers_over_the_servers(
+    server, tiny_dir, copy_task, redis_url, run_name
+):
+    """Two servers in ``base_url``: two workers are given one each (and keep it), and each
+    answers from its own."""
+    with OpenAITestServer(tiny_dir) as other:
+        config = PolicyConfig(
+            backend="openai",
+            base_url=[server.url + "/v1", other.url + "/v1"],
+            model="tiny",
+            max_new_tokens=4,
+            options={"trust_env": False, "retries": 0, "down_wait_s": 0},
+        )
+        check_policy(config)
+        policies = [
+            OpenAIPolicy(config, None, redis_url=redis_url, run=run_name, worker=f"w{i}")
+            for i in range(2)
+        ]
+
+        async def main():
+            try:
+                for p in policies:
+                    await p.refresh()
+                return await asyncio.gather(
+                    *(p.respond(request(copy_task(f"l{i}:0"))) for i, p in enumerate(policies))
+                )
+            finally:
+                for p in policies:
+                    await p.close()
+
+        turns = asyncio.run(main())
+        served = (len(server.chat_requests), len(other.chat_requests))
+    assert sorted(p.server for p in policies) == sorted([server.url, other.url])
+    assert all(t.token_ids for t in turns)
+    assert served[0] and served[1], served
 
 
 def test_token_ids_and_logprobs_round_trip(server, copy_task):

@@ -1,13 +1,16 @@
 """The slots of one policy server in Redis (``streamrl.policy.server_slots``), on the session's
 real redis-server: the bound holds across clients, waiting is not a failure, and a holder that
-stops renewing (killed) loses its slots when their leases end."""
+stops renewing (killed) loses its slots when their leases end; workers spread over several
+servers."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import redis.asyncio
 
+from streamrl.bus import scripts
 from streamrl.bus.keys import Keys
 from streamrl.policy.server_slots import ServerSlots
 
@@ -43,10 +46,33 @@ def test_bound_holds_across_clients_and_a_dead_holders_slots_come_back(redis_url
         await asyncio.wait_for(request(b), timeout=5)
         waited = asyncio.get_running_loop().time() - t0
         assert 1.0 < waited < 5.0, waited  # its leases ended, then the next acquire swept them
-        assert await conns[2].zcard(key) == 0
+        left = await conns[2].zrange(key, 0, -1)  # the dead holder's other lease, until swept
+        assert all(m.startswith(b"dead:") for m in left), left
         for s in (a, b):
             await s.close()
         for c in conns:
             await c.aclose()
 
     asyncio.run(main())
+
+
+def test_workers_spread_over_servers_and_keep_theirs(r, run_name):
+    """``SERVER_PICK``: the least used server of live workers, sticky per worker, and a worker
+    that stopped renewing (gone) stops counting when its assignment ends."""
+    pick = r.register_script(scripts.SERVER_PICK)
+    keys = list(Keys(run_name).server_picks)
+    urls = ["http://a", "http://b", "http://c"]
+
+    def given(worker: str, ttl_ms: int = 60_000, current: str = "") -> str:
+        return pick(keys=keys, args=[worker, ttl_ms, current, *urls]).decode()
+
+    first = [given(f"w{i}") for i in range(6)]
+    assert sorted(first) == sorted(urls * 2), first
+    assert [given(f"w{i}") for i in range(6)] == first  # each keeps its server
+    assert given("brief", ttl_ms=50) == "http://a"  # a tie: the first of them
+    time.sleep(0.2)  # its assignment ended: "a" has 2 live workers again, like the others
+    assert given("w6") == "http://a"
+    # a worker whose assignment ended mid-lease keeps the server it talks to
+    r.hdel(keys[0], "w0")
+    r.zrem(keys[1], "w0")
+    assert given("w0", current=first[0]) == first[0]
