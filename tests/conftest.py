@@ -148,11 +148,12 @@ def vllm():
 
 
 @pytest.fixture
-def vllm2(vllm):
+def vllm2():
     """A second vLLM server, beside ``vllm``: opt-in, its start-up does not fit the CI."""
     if "second" not in _vllm:
         pytest.skip(
-            f"a second vLLM server costs ~60-100 s of start-up on 2 cores, over the CI's "
-            f"budget: set {TWO_VLLM}=1 (or STREAMRL_TEST_VLLM2_URL) to run this test"
+            f"a second vLLM server (87 s to start here, on a busy 2-core machine) and this "
+            f"test (~70 s) are over the CI's budget: set {TWO_VLLM}=1 (or "
+            "STREAMRL_TEST_VLLM2_URL) to run it"
         )
     return _shared_vllm("second")

@@ -432,7 +432,12 @@ class OpenAIPolicy(Policy):
             url = self.servers[os.getpid() % len(self.servers)]
             if self._redis_url is not None:
                 mine = (self.worker, self.root, self.servers)
-                url = await pick_server(self._conn(), self.keys, *mine)
+                try:
+                    url = await pick_server(self._conn(), self.keys, *mine)
+                except Exception as e:  # a renewal: the worker keeps its server, tries again
+                    if not self.root:
+                        raise
+                    log.warning("policy server renewal failed", error=repr(e), server=self.root)
             if not self.root:
                 self._bind(url)
                 log.info("policy server picked", server=url, worker=self.worker)

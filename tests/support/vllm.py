@@ -11,8 +11,9 @@ suite runs while vLLM warms up, and stops it by PID when the session ends.
 
 A second server (the ``vllm2`` fixture: two servers, two pools of workers) is started the same
 way, beside the first and on the other core, only when ``STREAMRL_TEST_TWO_VLLM=1`` and a
-selected test asks for it: its start-up (~60-100 s of CPU on a 2-core machine) does not fit
-the CI's time budget. ``STREAMRL_TEST_VLLM2_URL`` names one you started yourself.
+selected test asks for it: its start-up (87 s here on a busy 2-core machine, with the first
+server idle) and the test (~70 s) do not fit the CI's time budget. ``STREAMRL_TEST_VLLM2_URL``
+names one you started yourself.
 """
 
 from __future__ import annotations

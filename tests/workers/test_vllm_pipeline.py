@@ -121,7 +121,7 @@ def test_vllm_killed_mid_run_episodes_wait_and_resume(
 
 
 def test_two_servers_two_pools_both_follow_the_learner(
-    vllm, vllm2, redis_url, subprocess_env, tmp_path, run_name
+    vllm2, vllm, redis_url, subprocess_env, tmp_path, run_name
 ):
     """Two vLLM servers, one pool of rollout workers on each (the run's ``base_url`` and one
     pinned with ``STREAMRL_POLICY_BASE_URL``): a version the learner announces is loaded by
