@@ -36,7 +36,8 @@ class PolicyConfig(_Cfg, kw_only=True):
 
     backend: Backend = "scripted"
     model: str = ""  # hf: a directory; openai: the served model name
-    base_url: str = ""  # openai backend
+    # openai backend: a server, or several (each rollout worker is given one, balanced)
+    base_url: str | list[str] = ""
     temperature: NonNegative = 1.0  # 0: greedy
     max_new_tokens: AtLeastOne = 64
     # scripted policy: deterministic per task_id

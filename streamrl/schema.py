@@ -248,6 +248,9 @@ class WorkerPolicy(_Base, kw_only=True):
     heartbeat_s: float = 0.0
     fault: str | None = None  # the run fault this worker raised, until it is healthy again
     updated_at: float = 0.0
+    server: str = ""  # the policy server it talks to ('' in-process)
+    in_flight: int = 0  # its requests on that server at the heartbeat
+    waiting: int = 0  # its requests waiting for a slot of that server (max_inflight_per_server)
 
 
 class DeadLetter(_Base, kw_only=True):

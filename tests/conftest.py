@@ -96,7 +96,10 @@ _vllm: dict = {}
 
 
 def _needs_vllm(item) -> bool:
-    return "vllm" in getattr(item, "fixturenames", ())
+    return bool({"vllm", "vllm2"} & set(getattr(item, "fixturenames", ())))
+
+
+TWO_VLLM = "STREAMRL_TEST_TWO_VLLM"  # opt-in: a second server (see tests/support/vllm.py)
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -109,11 +112,31 @@ def pytest_collection_finish(session):
         from tests.support.vllm import SessionVLLM
 
         _vllm["session"] = SessionVLLM()  # venv, model and start-up in a background thread
+        wanted = any("vllm2" in getattr(i, "fixturenames", ()) for i in session.items)
+        if wanted and (
+            os.environ.get(TWO_VLLM) == "1" or os.environ.get("STREAMRL_TEST_VLLM2_URL")
+        ):
+            cpus = "1" if (os.cpu_count() or 1) > 1 else "0"
+            _vllm["second"] = SessionVLLM("STREAMRL_TEST_VLLM2_URL", cpus=cpus)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if "session" in _vllm:
-        _vllm.pop("session").stop()
+    for name in ("session", "second"):
+        if name in _vllm:
+            _vllm.pop(name).stop()
+
+
+def _shared_vllm(name: str):
+    from streamrl.local.vllm import VLLMCannotInstall
+
+    try:
+        shared = _vllm[name].get()
+    except VLLMCannotInstall as e:  # no Python 3.11 or no package index: not streamrl's fault
+        pytest.skip(f"no vLLM on this machine: {e}")
+    if shared.server is not None and not shared.server.alive():
+        shared.server.restart().wait_ready()  # a fault test killed it
+    shared.reset()
+    return shared
 
 
 @pytest.fixture
@@ -121,13 +144,16 @@ def vllm():
     """The session's vLLM server (tests/support/vllm.py), on the base weights and serving."""
     if "session" not in _vllm:
         pytest.skip("the vLLM server is started only when collection selects a vLLM test")
-    from streamrl.local.vllm import VLLMCannotInstall
+    return _shared_vllm("session")
 
-    try:
-        shared = _vllm["session"].get()
-    except VLLMCannotInstall as e:  # no Python 3.11 or no package index: not streamrl's fault
-        pytest.skip(f"no vLLM on this machine: {e}")
-    if shared.server is not None and not shared.server.alive():
-        shared.server.restart().wait_ready()  # a fault test killed it
-    shared.reset()
-    return shared
+
+@pytest.fixture
+def vllm2():
+    """A second vLLM server, beside ``vllm``: opt-in, its start-up does not fit the CI."""
+    if "second" not in _vllm:
+        pytest.skip(
+            f"a second vLLM server (87 s to start here, on a busy 2-core machine) and this "
+            f"test (~70 s) are over the CI's budget: set {TWO_VLLM}=1 (or "
+            "STREAMRL_TEST_VLLM2_URL) to run it"
+        )
+    return _shared_vllm("second")

@@ -33,7 +33,8 @@ _OBSERVER_COMMANDS = "-@all +@read +@connection -@admin -@dangerous -@write +inf
 # What each role writes, as key suffixes of the run (``srl:{run}:...``) and of its shards
 # (the same names under a shard's tag); everything else of the run it may only read. ``none``
 # is the placeholder a verify worker's dead-letter call declares, ``topup:*`` the rate gate of
-# the leases that rq workers queue themselves, ``served:*`` the openai backend's served versions.
+# the leases that rq workers queue themselves, ``served:*`` the openai backend's served versions,
+# server slots and server picks.
 _SHARD = ("tasks", "rollouts", "scored", "groups", "dead", "stats", "session:*", "group:*",
           "producer:*", "none", "served:*")  # fmt: skip
 _WRITES = {

@@ -78,6 +78,8 @@ def observe(
     max_staleness: int,
     heartbeat_s: float,
     now: float,
+    server: str = "",
+    requests: tuple[int, int] = (0, 0),
 ) -> WorkerPolicy:
     """The worker's new record. ``behind_since`` carries over from ``previous`` while the
     worker stays too far behind, so a worker is timed across its leases."""
@@ -91,6 +93,9 @@ def observe(
         heartbeat_s=heartbeat_s,
         fault=previous.fault if previous else None,
         updated_at=now,
+        server=server,
+        in_flight=requests[0],
+        waiting=requests[1],
     )
     if lag(record) > max_staleness:
         since = previous.behind_since if previous else None
@@ -145,6 +150,9 @@ def policy_health(r: redis.Redis, keys: Keys, now: float | None = None) -> dict[
                 round(now - record.behind_since, 1) if record.behind_since is not None else None
             ),
             "error": record.error,
+            "server": record.server,
+            "in_flight": record.in_flight,
+            "waiting": record.waiting,
             "updated_s_ago": round(now - record.updated_at, 1),
         }
     return {"fault": fault(r, keys), "workers": dict(sorted(workers.items())), "ignored": ignored}

@@ -150,6 +150,23 @@ class Keys:
             self.run_key(*pool, "hold"),
         )
 
+    def served(self, server: str) -> str:
+        """Hash: the policy version one policy server (``server``: a digest of its root URL)
+        serves and the model name requests use, written by the worker that updated it."""
+        return self.run_key("served", server)
+
+    def server_slots(self, server: str) -> str:
+        """Sorted set: the requests on one policy server now, across every rollout worker of
+        the run (member: request id, score: when its lease ends, Redis ms), bounded by the
+        ``openai`` backend's ``max_inflight_per_server`` (``streamrl.policy.server_slots``)."""
+        return self.run_key("served", server, "slots")
+
+    @property
+    def server_picks(self) -> tuple[str, str]:
+        """Which policy server each rollout worker was given (``[policy] base_url`` as a list):
+        a hash worker -> server URL and a sorted set worker -> when that ends (Redis ms)."""
+        return self.run_key("served", "picks"), self.run_key("served", "picks_until")
+
     def judge_cache(self, version: str, digest: str) -> str:
         """A judge's answer to one trajectory, kept so that it is paid for once."""
         return self.run_key("judge", "cache", version, digest)

@@ -482,3 +482,87 @@ if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[1]) then
 end
 return redis.call('PTTL', KEYS[1])
 """
+
+# The slots of one policy server (``streamrl.policy.server_slots``): at most ARGV[3] requests
+# of every rollout worker of a run on it at once. A slot is a lease that ends ARGV[2] ms after
+# it was taken or last renewed (``SLOT_RENEW``); the holder renews it while its request runs,
+# so a holder killed mid-request frees its slot when the lease ends, swept here by the next
+# caller. Redis's clock, not the callers'. Asking again with an id that already holds a slot
+# (a retried call) keeps it.
+# KEYS[1]=slots zset (member: request id, score: lease end, ms). ARGV: request id, lease_ms,
+# limit. Returns 0 when the request holds a slot, else about how many ms until the earliest
+# lease ends (a slot usually frees sooner: a request gives its slot back when it ends).
+SLOT_ACQUIRE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local lease, limit = tonumber(ARGV[2]), tonumber(ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
+if redis.call('ZCARD', KEYS[1]) >= limit then
+  local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  return math.max(1, tonumber(first[2]) - now)
+end
+redis.call('ZADD', KEYS[1], now + lease, ARGV[1])
+redis.call('PEXPIRE', KEYS[1], lease + 1000)
+return 0
+"""
+
+# Renew the leases of the slots a holder still has (SLOT_ACQUIRE's KEYS[1]). ARGV: lease_ms,
+# request ids. A lease that already ended (its holder stalled longer than a lease) is not
+# taken back: its id is returned, the holder's request is then over the bound until it ends.
+SLOT_RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local lease = tonumber(ARGV[1])
+local lost = {}
+for j = 2, #ARGV do
+  local score = redis.call('ZSCORE', KEYS[1], ARGV[j])
+  if score and tonumber(score) > now then
+    redis.call('ZADD', KEYS[1], 'XX', now + lease, ARGV[j])
+  else
+    redis.call('ZREM', KEYS[1], ARGV[j])
+    lost[#lost + 1] = ARGV[j]
+  end
+end
+redis.call('PEXPIRE', KEYS[1], lease + 1000)
+return lost
+"""
+
+# Which of a run's policy servers (``[policy] base_url`` as a list) a rollout worker talks to:
+# the one it was given while its assignment lives (a worker keeps its server across leases),
+# else the one fewest live workers were given (the first of them on a tie). An assignment
+# lives ARGV[2] ms after the worker last asked; the worker asks again well before, so a worker
+# that is gone stops counting that long after. One script: two workers asking at once cannot
+# both take the emptiest server.
+# KEYS[1]=hash worker -> server URL, KEYS[2]=zset worker -> when the assignment ends (Redis
+# ms). ARGV: worker, ttl_ms, the server it talks to now ('' before its first pick: a worker
+# whose assignment ended mid-lease keeps its server), server URLs. Returns its server URL.
+SERVER_PICK = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
+for _, w in ipairs(gone) do redis.call('HDEL', KEYS[1], w) end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+local count = {}
+for j = 4, #ARGV do count[ARGV[j]] = 0 end
+local mine = redis.call('HGET', KEYS[1], ARGV[1])
+if not (mine and count[mine]) and count[ARGV[3]] then
+  mine = ARGV[3]
+  redis.call('HSET', KEYS[1], ARGV[1], mine)
+elseif not (mine and count[mine]) then
+  local all = redis.call('HGETALL', KEYS[1])
+  for j = 1, #all, 2 do
+    if all[j] ~= ARGV[1] and count[all[j + 1]] then count[all[j + 1]] = count[all[j + 1]] + 1 end
+  end
+  mine = ARGV[4]
+  for j = 5, #ARGV do
+    if count[ARGV[j]] < count[mine] then mine = ARGV[j] end
+  end
+  redis.call('HSET', KEYS[1], ARGV[1], mine)
+end
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
+local ttl = tonumber(ARGV[2]) + 1000
+redis.call('PEXPIRE', KEYS[1], ttl)
+redis.call('PEXPIRE', KEYS[2], ttl)
+return mine
+"""

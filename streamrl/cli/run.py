@@ -331,8 +331,15 @@ def _say_pushed(res: ProduceResult) -> None:
 @click.command()
 @click.argument("role", type=click.Choice(["rollout", "verify"]))
 @click.option("--name", default=None)
+@click.option(
+    "--policy-url",
+    default=None,
+    metavar="URL",
+    help="rollout: the policy server this worker talks to, over [policy] base_url "
+    "(one pool of workers per server; sets STREAMRL_POLICY_BASE_URL)",
+)
 @pass_ctx
-def worker(c: Ctx, role: str, name: str | None) -> None:
+def worker(c: Ctx, role: str, name: str | None, policy_url: str | None) -> None:
     """Run one rq worker for ROLE (same as
     `rq worker -u URL -w streamrl.workers.LeaseWorker -S json srl-ROLE`; with a separate
     control Redis, rq gets that URL and the worker the data URL as STREAMRL_DATA_URL).
@@ -366,5 +373,7 @@ def worker(c: Ctx, role: str, name: str | None) -> None:
     control_url = c.control_url()
     if control_url != url:
         os.environ[ENV_DATA_URL] = url
+    if policy_url:
+        os.environ[d.POLICY_URL_ENV] = policy_url
     cmd = rq_worker_cmd(control_url, queue, name, quiet=False)
     os.execv(cmd[0], cmd)

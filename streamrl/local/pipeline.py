@@ -90,12 +90,14 @@ class LocalPipeline:
         verify: int = 1,
         seconds: float | None = None,
         top_up: bool = True,
+        env: dict[str, str] | None = None,
     ):
         """Start rq workers; ``top_up=False`` queues no lease, so they idle until the run has
-        work (the demo starts them while it is still building the model)."""
+        work (the demo starts them while it is still building the model). ``env``: variables
+        these workers get besides the pipeline's (``STREAMRL_POLICY_BASE_URL`` for a pool)."""
         assert self.procs is not None
-        started = self.procs.start(ROLLOUT_QUEUE, rollout) if rollout else []
-        started += self.procs.start(VERIFY_QUEUE, verify) if verify else []
+        started = self.procs.start(ROLLOUT_QUEUE, rollout, env=env) if rollout else []
+        started += self.procs.start(VERIFY_QUEUE, verify, env=env) if verify else []
         run = self.config.run
         if not top_up:
             return started

@@ -87,8 +87,13 @@ class WorkerProcs:
         # torch workers from a fork server, streamrl.local.prefork); (argv, log, env) -> Popen-like
         self.launcher: Callable[[list[str], Path | None, dict | None], Any] | None = None
 
-    def start(self, queue: str, n: int, prefix: str = "") -> list[subprocess.Popen]:
+    def start(self, queue: str, n: int, prefix: str = "",
+              env: dict[str, str] | None = None) -> list[subprocess.Popen]:  # fmt: skip
+        """``env``: variables these workers get besides ``self.env``."""
         started = []
+        proc_env = self.env
+        if env:
+            proc_env = {**(self.env if self.env is not None else os.environ), **env}
         for _ in range(n):
             name = f"{prefix or queue}-{len(self.procs)}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
             log = None
@@ -97,14 +102,14 @@ class WorkerProcs:
                 log = self.log_dir / f"{name}.log"
             cmd = rq_worker_cmd(self.control_url, queue, name)
             if self.launcher is not None:
-                p = self.launcher(cmd, log, self.env)
+                p = self.launcher(cmd, log, proc_env)
             else:
                 p = subprocess.Popen(
                     cmd,
                     stdout=open(log, "ab") if log else subprocess.DEVNULL,  # noqa: SIM115
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    env=self.env,
+                    env=proc_env,
                 )
             self.procs.append((name, p))
             started.append(p)

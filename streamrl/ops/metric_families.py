@@ -148,6 +148,16 @@ class Families:
             "Rollout workers whose last policy reload failed.",
             labels=run,
         )
+        self.policy_in_flight = g(
+            "streamrl_policy_requests_in_flight",
+            "Rollout workers' requests on each policy server, at their last heartbeat.",
+            labels=["run", "server"],
+        )
+        self.policy_waiting = g(
+            "streamrl_policy_requests_waiting",
+            "Requests waiting for a slot of a policy server (max_inflight_per_server).",
+            labels=["run", "server"],
+        )
         self.learner_status = g(
             "streamrl_learner_status",
             "1 for the learner's current status.",

@@ -158,6 +158,15 @@ class _Collector(Collector):
         f.faulted.add_metric([run], 1 if health["fault"] else 0)
         f.behind.add_metric([run], sum(1 for w in workers if w["behind_s"] is not None))
         f.reload_failing.add_metric([run], sum(1 for w in workers if w["error"]))
+        servers: dict[str, list[int]] = {}
+        for w in workers:
+            if w.get("server"):
+                load = servers.setdefault(w["server"], [0, 0])
+                load[0] += w["in_flight"]
+                load[1] += w["waiting"]
+        for server, (in_flight, waiting) in sorted(servers.items()):
+            f.policy_in_flight.add_metric([run, server], in_flight)
+            f.policy_waiting.add_metric([run, server], waiting)
         self._feeds_of(f, run, keys)
 
     def _learner(self, f: Families, run: str, keys: Keys, now: float) -> None:

@@ -151,12 +151,16 @@ def mixture_table(mix: dict[str, Any]) -> Table:
 
 def _policy_health_table(workers: dict[str, dict[str, Any]]) -> Table:
     """Per rollout worker: the policy version it serves, how far behind the newest announced
-    one, for how long beyond ``max_staleness``, and why its last reload failed."""
+    one, for how long beyond ``max_staleness``, why its last reload failed, and (a policy
+    server's workers) which server, its requests on it and those waiting for a slot."""
     t = Table(title="policy by rollout worker")
-    for col in ("worker", "version", "newest", "lag", "behind for", "last reload error"):
+    servers = any(w.get("server") for w in workers.values())
+    cols = ("worker", "version", "newest", "lag", "behind for", "last reload error")
+    for col in cols + (("server", "in flight", "waiting") if servers else ()):
         t.add_column(col)
     for name, w in workers.items():
         behind = w.get("behind_s")
+        load = (w.get("server") or "-", str(w.get("in_flight", 0)), str(w.get("waiting", 0)))
         t.add_row(
             name,
             str(w.get("version")),
@@ -164,6 +168,7 @@ def _policy_health_table(workers: dict[str, dict[str, Any]]) -> Table:
             str(w.get("lag")),
             "-" if behind is None else f"{behind:.0f} s",
             w.get("error") or "-",
+            *(load if servers else ()),
             style="red" if behind is not None or w.get("error") else None,
         )
     return t

@@ -16,6 +16,7 @@ def make_policy(config: PolicyConfig, env: Environment, **kw: Any) -> Policy:
     """Build the configured backend. ``kw`` (``redis_url``, ``run``) reaches the backends that
     watch the run's ``policy`` stream for new weights; ``scripted`` ignores it."""
     env_for = kw.pop("env_for", None)
+    worker = kw.pop("worker", "")  # the rollout worker's name: its server (base_url a list)
     if config.backend == "scripted":
         from streamrl.policy.scripted import ScriptedPolicy
 
@@ -27,7 +28,7 @@ def make_policy(config: PolicyConfig, env: Environment, **kw: Any) -> Policy:
     if config.backend == "openai":
         from streamrl.policy.openai import OpenAIPolicy
 
-        return OpenAIPolicy(config, env, **kw)
+        return OpenAIPolicy(config, env, worker=worker, **kw)
     raise ValueError(f"unknown policy backend {config.backend!r} (known: {', '.join(_BACKENDS)})")
 
 
@@ -41,12 +42,14 @@ def check_policy(config: PolicyConfig) -> None:
 
         require_model_dir(config.model, "policy.model")
     elif config.backend == "openai":
-        url = urlparse(config.base_url)
-        if url.scheme not in ("http", "https") or not url.netloc:
-            raise ValueError(
-                f"policy.base_url = {config.base_url!r}: the openai backend needs the "
-                "server's http(s) URL, e.g. http://127.0.0.1:8000/v1"
-            )
+        urls = [config.base_url] if isinstance(config.base_url, str) else config.base_url
+        for given in urls or [""]:
+            url = urlparse(given)
+            if url.scheme not in ("http", "https") or not url.netloc:
+                raise ValueError(
+                    f"policy.base_url = {config.base_url!r}: the openai backend needs the "
+                    "server's http(s) URL (or a list of them), e.g. http://127.0.0.1:8000/v1"
+                )
         if not config.model:
             raise ValueError("policy.model is empty: the openai backend needs the served model")
 

@@ -150,3 +150,25 @@ def _items(message: dict[str, Any], content: str, turn: int) -> list[Item]:
                 )
             )
     return items
+
+
+class HTTPStatusError(PolicyError):
+    """A non-retryable HTTP status, kept for the caller."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def label_version(label: Any) -> int:
+    """vLLM's weight label as a policy version: ``"7"`` -> 7; its start-up label
+    (``"default"``) -> 0, the base model."""
+    text = str(label or "").strip()
+    return int(text) if text.isdigit() else 0
+
+
+def aborted(data: Any) -> bool:
+    try:
+        return data["choices"][0].get("finish_reason") == "abort"
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return False

@@ -46,6 +46,17 @@ class Policy(ABC):
         (or there was nothing to load). The rollout worker reports it with ``version``."""
         return None
 
+    @property
+    def server(self) -> str:
+        """The server this worker's requests go to ('' for an in-process backend)."""
+        return ""
+
+    @property
+    def requests(self) -> tuple[int, int]:
+        """This worker's requests on the server now, and those waiting for one of its slots
+        (``max_inflight_per_server``); reported in policy health."""
+        return 0, 0
+
     @abstractmethod
     async def respond(self, request: PolicyRequest) -> ModelTurn: ...
 

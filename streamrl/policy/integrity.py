@@ -14,10 +14,17 @@ announcement) is loaded unchecked, as before; the learner always sends them.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from pathlib import Path
+from typing import Any
+
+import structlog
 
 from streamrl.policy.base import PolicyError
+from streamrl.schema import PolicyVersion
+
+log = structlog.get_logger(__name__)
 
 _CHUNK = 1 << 20
 
@@ -76,3 +83,18 @@ def verify_dir(
                 f"({path.stat().st_size} bytes: tampered or truncated); refusing to load it"
             )
     return kept
+
+
+async def check_served_version(pv: PolicyVersion, repeats: Any) -> None:
+    """Before a server loads ``pv`` (the ``openai`` backend): refuse files that are not the
+    learner's. The server reads ``pv.path`` itself; where this worker cannot see that path, it
+    says so once (``repeats``: a ``streamrl.log.Repeats``)."""
+    if not pv.digests:
+        return
+    if Path(pv.path).is_dir():
+        await asyncio.to_thread(verify_dir, Path(pv.path), pv.digests)
+    elif repeats.check("unverified", pv.path) is not None:
+        log.warning(
+            "policy version not checked: its directory is not visible to this worker",
+            path=pv.path, policy_version=pv.version,
+        )  # fmt: skip

@@ -55,35 +55,46 @@ every ``reload_check_s``, and is reported as ``reload_error`` until a later sync
 Before asking the server to load a version, the worker checks its files against the version's
 digests when it can see the directory (``streamrl.policy.integrity``), and refuses a mismatch.
 
+Many workers, many servers (``streamrl.policy.server_slots``). ``max_inflight_per_server``
+(0: no bound) caps the requests on the server across every worker of the run that uses it
+(Redis leases of ``slot_lease_s``); a request waits for a slot as long as it takes, which is
+never a failure. A worker talks to ``STREAMRL_POLICY_BASE_URL`` when set (``streamrl worker
+rollout --policy-url``: one pool of workers per server), else to ``base_url``, which may be a
+list: each worker is then given the server fewest live workers use, and keeps it. Every worker
+that syncs updates its own server, so each server follows the learner on its own.
+
 Options: ``api_key``, ``timeout_s`` (600), ``connect_timeout_s`` (10), ``max_connections``
 (256), ``retries`` (4), ``backoff_s`` (0.5), ``backoff_max_s`` (8), ``sync``
 (none|lora|weights), ``lora_prefix`` (policy), ``keep_adapters`` (2), ``weights_method``,
 ``pause_mode`` (wait), ``reload_check_s`` (1.0), ``seed`` (0), ``tool_choice`` (none),
-``extra_body`` ({}), ``trust_env`` (true), ``version_retries`` (3), ``down_wait_s`` (300).
+``extra_body`` ({}), ``trust_env`` (true), ``version_retries`` (3), ``down_wait_s`` (300),
+``max_inflight_per_server`` (0), ``slot_lease_s`` (30).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
+import socket
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import structlog
 
 from streamrl.bus.keys import Keys
 from streamrl.config import PolicyConfig
-from streamrl.defaults import DEFAULT_RUN, RELOAD_ERROR_LOG_EVERY_S
+from streamrl.defaults import DEFAULT_RUN, POLICY_URL_ENV, RELOAD_ERROR_LOG_EVERY_S
 from streamrl.envs.base import Environment
 from streamrl.http import Retryable, RetryPolicy, httpx_api, server_root
 from streamrl.log import Repeats
-from streamrl.policy._openai_wire import ChatWire
+from streamrl.policy._openai_wire import ChatWire, HTTPStatusError, aborted, label_version
 from streamrl.policy._versions import latest_version
 from streamrl.policy.base import Policy, PolicyError, PolicyRequest
-from streamrl.policy.integrity import verify_dir
+from streamrl.policy.integrity import check_served_version
+from streamrl.policy.server_slots import PICK_RENEW_S, ServerSlots, pick_server
 from streamrl.schema import ModelTurn, PolicyVersion
 
 log = structlog.get_logger(__name__)
@@ -92,14 +103,6 @@ _RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 _SYNC_MODES = ("none", "lora", "weights")
 _WEIGHTS_METHOD = "reload_weights"
 _LOCK_MS = 300_000
-
-
-class _HTTPStatusPolicyError(PolicyError):
-    """A non-retryable HTTP status, kept for the caller."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class OpenAIPolicy(Policy):
@@ -112,18 +115,29 @@ class OpenAIPolicy(Policy):
         *,
         redis_url: str | None = None,
         run: str = DEFAULT_RUN,
+        worker: str = "",
     ) -> None:
-        if not config.base_url or not config.model:
+        pinned = os.environ.get(POLICY_URL_ENV)  # this worker's pool's server
+        urls = [pinned] if pinned else config.base_url
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        if not all(urls) or not urls or not config.model:
             raise ValueError("the openai backend needs policy.base_url and policy.model")
         opts = config.options
         self.config = config
         self.env = env
-        self.root = server_root(config.base_url)
+        self.servers = [server_root(u) for u in urls]
+        self.worker = worker or f"{socket.gethostname()}-{os.getpid()}"
+        self.root = ""  # the server of this client: picked on first use when there are several
+        self._pick_due = float("-inf")
         self.sync = str(opts.get("sync", "none"))
         if self.sync not in _SYNC_MODES:
             raise ValueError(f"policy.options.sync must be one of {_SYNC_MODES}, not {self.sync!r}")
         if self.sync != "none" and redis_url is None:
             raise ValueError(f"sync={self.sync!r} needs a Redis URL to watch the policy stream")
+        self.max_inflight = int(opts.get("max_inflight_per_server", 0))
+        if self.max_inflight > 0 and redis_url is None:
+            raise ValueError("max_inflight_per_server needs a Redis URL (its slots live there)")
+        self.slot_lease_s = float(opts.get("slot_lease_s", 30.0))
         self._retry = RetryPolicy(
             tries=int(opts.get("retries", 4)) + 1,
             backoff_s=float(opts.get("backoff_s", 0.5)),
@@ -150,7 +164,7 @@ class OpenAIPolicy(Policy):
         api_key = opts.get("api_key") or os.environ.get("OPENAI_API_KEY")
         max_conn = int(opts.get("max_connections", 256))
         self._client = http.AsyncClient(
-            base_url=self.root,
+            base_url=self.servers[0],
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
             timeout=http.Timeout(
                 float(opts.get("timeout_s", 600.0)),
@@ -166,8 +180,10 @@ class OpenAIPolicy(Policy):
         self.keys = Keys(run)
         self._redis_url = redis_url
         self._redis: Any = None
-        server_id = hashlib.sha1(self.root.encode()).hexdigest()[:12]
-        self._served_key = self.keys.key("served", server_id)
+        self._bind_lock = asyncio.Lock()
+        if len(self.servers) == 1:
+            self._bind(self.servers[0])
+        self._slots: ServerSlots | None = None  # with max_inflight_per_server, on first use
         self._model = config.model  # what requests name: the base model or an adapter
         self._version = 0
         self._reload_error: str | None = None
@@ -195,31 +211,59 @@ class OpenAIPolicy(Policy):
         """The model name requests are sent to now."""
         return self._model
 
+    @property
+    def server(self) -> str:
+        return self.root
+
+    @property
+    def requests(self) -> tuple[int, int]:
+        waiting = self._slots.waiting if self._slots is not None else 0
+        return self._inflight, waiting
+
+    def _conn(self) -> Any:
+        if self._redis is None:
+            from streamrl.connection import connect_async
+
+            self._redis = connect_async(self._redis_url, resilient=True)
+        return self._redis
+
+    def _slot(self) -> Any:
+        """The server slot a request holds while it is on the server (no bound: none)."""
+        if self.max_inflight <= 0:
+            return contextlib.nullcontext()
+        if self._slots is None:
+            key = self.keys.server_slots(self.server_id)
+            owner = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+            self._slots = ServerSlots(self._conn(), key, self.max_inflight,
+                                      lease_s=self.slot_lease_s, owner=owner)  # fmt: skip
+        return self._slots.slot()
+
     # ------------------------------------------------------------------ turns
 
     async def respond(self, request: PolicyRequest) -> ModelTurn:
         await self._maybe_sync()
         for _ in range(self.version_retries + 1):
-            await self._open.wait()
-            self._inflight += 1
-            self._idle.clear()
-            started = time.perf_counter()
-            try:
-                served = await self._weight_label()
-                sent_version = self._version if served is None else served
-                data, headers = await self._chat(self._wire.body(request, self._model))
-                # The weights changed while this request was on the server: its tokens may
-                # come from either version, so it is asked again (never stamped by a guess).
-                if served is not None and await self._weight_label() != served:
-                    self.version_resends += 1
-                    continue
-                if _aborted(data):  # a /pause?mode=abort by another updater
-                    self.version_resends += 1
-                    continue
-            finally:
-                self._inflight -= 1
-                if self._inflight == 0:
-                    self._idle.set()
+            async with self._slot():  # waits while the server has max_inflight_per_server
+                await self._open.wait()
+                self._inflight += 1
+                self._idle.clear()
+                started = time.perf_counter()
+                try:
+                    served = await self._weight_label()
+                    sent_version = self._version if served is None else served
+                    data, headers = await self._chat(self._wire.body(request, self._model))
+                    # The weights changed while this request was on the server: its tokens may
+                    # come from either version, so it is asked again (never stamped by a guess)
+                    if served is not None and await self._weight_label() != served:
+                        self.version_resends += 1
+                        continue
+                    if aborted(data):  # a /pause?mode=abort by another updater
+                        self.version_resends += 1
+                        continue
+                finally:
+                    self._inflight -= 1
+                    if self._inflight == 0:
+                        self._idle.set()
             seconds = time.perf_counter() - started
             return self._wire.turn(request, data, headers, sent_version, seconds)
         raise PolicyError(
@@ -236,7 +280,7 @@ class OpenAIPolicy(Policy):
         while True:
             try:
                 return await self._chat_once(body)
-            except _HTTPStatusPolicyError:
+            except HTTPStatusError:
                 raise
             except PolicyError:
                 if not await self._wait_until_up(deadline):
@@ -261,7 +305,7 @@ class OpenAIPolicy(Policy):
     async def _chat_once(self, body: dict[str, Any]) -> tuple[Any, Any]:
         try:
             return await self._post("/v1/chat/completions", body)
-        except _HTTPStatusPolicyError as e:
+        except HTTPStatusError as e:
             # The adapter we named was unloaded meanwhile (another client moved the
             # server on): ask again under the name now being served.
             if e.status != 404 or self.sync == "weights":
@@ -283,7 +327,7 @@ class OpenAIPolicy(Policy):
             self._weight_info = False
             return None
         self._weight_info = True
-        version = _label_version(data.get("weight_version"))
+        version = label_version(data.get("weight_version"))
         if version > self._version and self._open.is_set():
             self._version = version  # another client moved the server on
         return version
@@ -326,9 +370,7 @@ class OpenAIPolicy(Policy):
                 return None, None
             error = f"HTTP {resp.status_code}: {resp.text[:500]}"
             if resp.status_code not in _RETRY_STATUS:
-                raise _HTTPStatusPolicyError(
-                    f"{method} {self.root}{path}: {error}", resp.status_code
-                )
+                raise HTTPStatusError(f"{method} {self.root}{path}: {error}", resp.status_code)
             raise Retryable(error)
 
         def give_up(last: BaseException) -> PolicyError:
@@ -339,6 +381,8 @@ class OpenAIPolicy(Policy):
 
     async def close(self) -> None:
         await self._client.aclose()
+        if self._slots is not None:
+            await self._slots.close()
         if self._redis is not None:
             await self._redis.aclose()
             self._redis = None
@@ -346,6 +390,7 @@ class OpenAIPolicy(Policy):
     # ------------------------------------------------------------------ versions
 
     async def _maybe_sync(self, force: bool = False) -> None:
+        await self._pick()
         if self._redis_url is None:
             return
         if not force and time.monotonic() - self._last_check < self.reload_check_s:
@@ -370,11 +415,36 @@ class OpenAIPolicy(Policy):
     async def refresh(self) -> None:
         await self._maybe_sync()
 
-    async def _sync_once(self) -> None:
-        if self._redis is None:
-            from streamrl.connection import connect_async
+    def _bind(self, root: str) -> None:
+        self.root = root
+        self._client.base_url = root
+        self.server_id = hashlib.sha1(root.encode()).hexdigest()[:12]
+        self._served_key = self.keys.served(self.server_id)
 
-            self._redis = connect_async(self._redis_url, resilient=True)
+    async def _pick(self) -> None:
+        """Of several servers, the one this worker is given (``server_slots.pick_server``),
+        renewed while it runs; without Redis, by process id."""
+        if len(self.servers) == 1 or time.monotonic() < self._pick_due:
+            return
+        async with self._bind_lock:
+            if time.monotonic() < self._pick_due:
+                return
+            url = self.servers[os.getpid() % len(self.servers)]
+            if self._redis_url is not None:
+                mine = (self.worker, self.root, self.servers)
+                try:
+                    url = await pick_server(self._conn(), self.keys, *mine)
+                except Exception as e:  # a renewal: the worker keeps its server, tries again
+                    if not self.root:
+                        raise
+                    log.warning("policy server renewal failed", error=repr(e), server=self.root)
+            if not self.root:
+                self._bind(url)
+                log.info("policy server picked", server=url, worker=self.worker)
+            self._pick_due = time.monotonic() + PICK_RENEW_S
+
+    async def _sync_once(self) -> None:
+        self._conn()
         served = await self._read_served()
         if self.sync != "none":
             latest = await latest_version(self._redis, self.keys)
@@ -410,7 +480,8 @@ class OpenAIPolicy(Policy):
         Public so that a learner or an operator can push a version without the stream."""
         if pv.format not in ("lora", "safetensors"):
             return
-        await self._check_digests(pv)
+        await self._pick()
+        await check_served_version(pv, self._repeats)
         try:
             if pv.format == "lora":
                 await self._load_lora(pv)
@@ -425,19 +496,6 @@ class OpenAIPolicy(Policy):
         log.info(
             "server policy updated", policy_version=pv.version, model=self._model, server=self.root
         )
-
-    async def _check_digests(self, pv: PolicyVersion) -> None:
-        """Refuse files that are not the learner's before the server loads them. The server
-        reads ``pv.path`` itself; where this worker cannot see that path, it says so once."""
-        if not pv.digests:
-            return
-        if Path(pv.path).is_dir():
-            await asyncio.to_thread(verify_dir, Path(pv.path), pv.digests)
-        elif self._repeats.check("unverified", pv.path) is not None:
-            log.warning(
-                "policy version not checked: its directory is not visible to this worker",
-                path=pv.path, policy_version=pv.version,
-            )  # fmt: skip
 
     async def _load_lora(self, pv: PolicyVersion) -> None:
         name = self._wire.adapter(pv.version)
@@ -471,24 +529,10 @@ class OpenAIPolicy(Policy):
                 label = {"new_version": str(pv.version)}
                 await self._post("/update_weight_version", label, optional=True)
                 data, _ = await self._post("/weight_info", method="GET", optional=True)
-                if data is not None and _label_version(data.get("weight_version")) != pv.version:
+                if data is not None and label_version(data.get("weight_version")) != pv.version:
                     raise PolicyError(f"after loading v{pv.version} the server reports {data!r}")
             finally:
                 await self._post("/resume", optional=True, expect_json=False)
             self._version = pv.version
         finally:
             self._open.set()
-
-
-def _label_version(label: Any) -> int:
-    """vLLM's weight label as a policy version: ``"7"`` -> 7; its start-up label
-    (``"default"``) -> 0, the base model."""
-    text = str(label or "").strip()
-    return int(text) if text.isdigit() else 0
-
-
-def _aborted(data: Any) -> bool:
-    try:
-        return data["choices"][0].get("finish_reason") == "abort"
-    except (KeyError, IndexError, TypeError, AttributeError):
-        return False

@@ -66,6 +66,8 @@ class PolicyWatch:
             max_staleness=health.max_staleness(cfg),
             heartbeat_s=cfg.streams.heartbeat_s,
             now=now,
+            server=policy.server,
+            requests=policy.requests,
         )
         reason = health.stale_reason(record, cfg.rollout.max_policy_lag_s, now)
         if reason is not None:

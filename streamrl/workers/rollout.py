@@ -338,6 +338,7 @@ class _RolloutLease:
             redis_url=self.url,
             run=self.run_name,
             env_for=self._env,
+            worker=self.consumer,
         )
         self.endpoints = Endpoints(self.policy)
         rc = cfg.rollout

@@ -61,6 +61,7 @@ def test_status_shows_live_workers_and_the_fault(r):
     now = 1000.0
     live = observe(None, version=1, newest=9, now=now - 4.0, error="OSError: gone")
     live.behind_since = now - 30.0
+    live.server, live.in_flight, live.waiting = "http://v1:8000", 3, 2
     quiet = WorkerPolicy(worker="w2", version=9, newest=9, heartbeat_s=5.0, updated_at=now - 26)
     r.hset(keys.policy_health, mapping={"w1": encode(live), "w2": encode(quiet), "w3": b"\xc1"})
     r.set(keys.fault, "PolicyStale: worker w1 serves policy version 1")
@@ -75,6 +76,9 @@ def test_status_shows_live_workers_and_the_fault(r):
                 "lag": 8,
                 "behind_s": 30.0,
                 "error": "OSError: gone",
+                "server": "http://v1:8000",
+                "in_flight": 3,
+                "waiting": 2,
                 "updated_s_ago": 4.0,
             }
         },
@@ -97,6 +101,7 @@ def test_status_shows_live_workers_and_the_fault(r):
     text = console.export_text()
     assert "FAULT: PolicyStale: worker w1 serves policy version 1" in text
     assert "OSError: gone" in text and "30 s" in text
+    assert "http://v1:8000" in text and "in flight" in text and "waiting" in text
 
 
 def test_a_faulted_run_stops_a_command_with_one_line(r):

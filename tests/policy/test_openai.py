@@ -13,8 +13,9 @@ from safetensors.torch import save_file
 
 from streamrl.bus.keys import Keys
 from streamrl.config import PolicyConfig
+from streamrl.defaults import POLICY_URL_ENV
 from streamrl.models.tiny import build_model, build_tokenizer
-from streamrl.policy import PolicyError, make_policy
+from streamrl.policy import PolicyError, check_policy, make_policy
 from streamrl.policy.base import PolicyRequest
 from streamrl.policy.openai import OpenAIPolicy
 from streamrl.schema import FunctionCall, FunctionTool, Message, PolicyVersion, encode
@@ -69,6 +70,77 @@ def forward_logprobs(model, prompt, tokens, temperature):
 def test_make_policy_builds_openai(server):
     config = PolicyConfig(backend="openai", base_url=server.url, model="tiny")
     assert isinstance(make_policy(config, None), OpenAIPolicy)
+
+
+def test_a_pinned_server_and_requests_that_wait_for_its_slot(
+    server, copy_task, r, redis_url, run_name, monkeypatch
+):
+    """``STREAMRL_POLICY_BASE_URL`` wins over ``base_url`` (one pool of workers per server);
+    with ``max_inflight_per_server = 1`` concurrent requests wait for the slot (counted in
+    ``requests``, which policy health reports) and all of them are answered."""
+    monkeypatch.setenv(POLICY_URL_ENV, server.url + "/v1")
+    policy = make("http://127.0.0.1:9", redis_url=redis_url, run=run_name,
+                  max_inflight_per_server=1)  # fmt: skip
+    assert policy.server == server.url
+    seen: list[tuple[int, int]] = []
+
+    async def main():
+        async def watch():
+            while True:
+                seen.append(policy.requests)
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            return await asyncio.gather(
+                *(policy.respond(request(copy_task(f"w{i}:0"))) for i in range(3))
+            )
+        finally:
+            watcher.cancel()
+            await policy.close()
+
+    turns = asyncio.run(main())
+    assert len(turns) == 3 and all(t.token_ids for t in turns)
+    assert max(s[0] for s in seen) == 1 and max(s[1] for s in seen) >= 2, sorted(set(seen))
+    assert policy.requests == (0, 0)
+    assert r.zcard(Keys(run_name).server_slots(policy.server_id)) == 0
+
+
+def test_base_url_as_a_list_spreads_workers_over_the_servers(
+    server, tiny_dir, copy_task, redis_url, run_name
+):
+    """Two servers in ``base_url``: two workers are given one each (and keep it), and each
+    answers from its own."""
+    with OpenAITestServer(tiny_dir) as other:
+        config = PolicyConfig(
+            backend="openai",
+            base_url=[server.url + "/v1", other.url + "/v1"],
+            model="tiny",
+            max_new_tokens=4,
+            options={"trust_env": False, "retries": 0, "down_wait_s": 0},
+        )
+        check_policy(config)
+        policies = [
+            OpenAIPolicy(config, None, redis_url=redis_url, run=run_name, worker=f"w{i}")
+            for i in range(2)
+        ]
+
+        async def main():
+            try:
+                for p in policies:
+                    await p.refresh()
+                return await asyncio.gather(
+                    *(p.respond(request(copy_task(f"l{i}:0"))) for i, p in enumerate(policies))
+                )
+            finally:
+                for p in policies:
+                    await p.close()
+
+        turns = asyncio.run(main())
+        served = (len(server.chat_requests), len(other.chat_requests))
+    assert sorted(p.server for p in policies) == sorted([server.url, other.url])
+    assert all(t.token_ids for t in turns)
+    assert served[0] and served[1], served
 
 
 def test_token_ids_and_logprobs_round_trip(server, copy_task):

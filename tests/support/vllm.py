@@ -8,6 +8,12 @@ suite runs while vLLM warms up, and stops it by PID when the session ends.
 
 ``STREAMRL_TEST_VLLM_URL=http://127.0.0.1:PORT`` uses a server you started yourself instead
 (``python -m streamrl.local.vllm``, same flags), for quick iterations on these tests.
+
+A second server (the ``vllm2`` fixture: two servers, two pools of workers) is started the same
+way, beside the first and on the other core, only when ``STREAMRL_TEST_TWO_VLLM=1`` and a
+selected test asks for it: its start-up (87 s here on a busy 2-core machine, with the first
+server idle) and the test (~70 s) do not fit the CI's time budget. ``STREAMRL_TEST_VLLM2_URL``
+names one you started yourself.
 """
 
 from __future__ import annotations
@@ -69,6 +75,14 @@ class SharedVLLM:
         ]
         return int(sum(values))
 
+    def requests_on_server(self) -> int:
+        """vLLM's own gauges of requests being generated and queued (``/metrics``)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+        names = {"vllm:num_requests_running", "vllm:num_requests_waiting"}
+        rows = [x for x in text.splitlines() if x.split("{")[0].split(" ")[0] in names]
+        return int(sum(float(x.rsplit(" ", 1)[1]) for x in rows))
+
     def weight_label(self) -> str:
         return str(self.get("/weight_info")["weight_version"])
 
@@ -87,8 +101,8 @@ class SharedVLLM:
 class SessionVLLM:
     """The session's server: started in the background, awaited by the first test."""
 
-    def __init__(self) -> None:
-        self.given = os.environ.get("STREAMRL_TEST_VLLM_URL")
+    def __init__(self, given_env: str = "STREAMRL_TEST_VLLM_URL", cpus: str = "0") -> None:
+        self.given = os.environ.get(given_env)
         self._start: BackgroundStart | None = None
         self._model: Path | None = None
         self._error: BaseException | None = None
@@ -98,7 +112,7 @@ class SessionVLLM:
         # nice: the rest of the suite runs beside its start-up; one thread: on a loaded 2-core
         # machine two bound threads wait on each other (one 16-token turn: 6.3 s, not 1.9 s)
         server = VLLMServer(
-            served_name=SERVED_NAME, nice=5, cpus="0", log_path=self.log_dir / "vllm.log"
+            served_name=SERVED_NAME, nice=5, cpus=cpus, log_path=self.log_dir / "vllm.log"
         )
         self._start = BackgroundStart(server, venv_log=self.log_dir / "venv.log")
 

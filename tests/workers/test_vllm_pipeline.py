@@ -11,6 +11,8 @@ import pytest
 
 from streamrl.bus import health
 from streamrl.config import PolicyConfig, RolloutConfig, RunConfig, StreamConfig
+from streamrl.defaults import MAX_CONCURRENT_EPISODES as MAX_CONCURRENT
+from streamrl.defaults import POLICY_URL_ENV
 from streamrl.envs import make_env
 from streamrl.local.pipeline import LocalPipeline, task_ids
 from streamrl.producer.produce import Producer
@@ -19,7 +21,8 @@ from tests.support.vllm import SAME, Reference, announce, new_version
 pytestmark = pytest.mark.timeout(1200)
 
 
-def vllm_run(run: str, url: str, max_new_tokens: int = 12, **options) -> RunConfig:
+def vllm_run(run: str, url: str, max_new_tokens: int = 12, concurrent: int = 0,
+             **options) -> RunConfig:  # fmt: skip
     return RunConfig(
         run=run,
         env="copy",
@@ -32,7 +35,7 @@ def vllm_run(run: str, url: str, max_new_tokens: int = 12, **options) -> RunConf
             max_new_tokens=max_new_tokens,
             options={"trust_env": False, "reload_check_s": 0.5, "backoff_s": 0.5, **options},
         ),
-        rollout=RolloutConfig(max_policy_lag_s=0),
+        rollout=RolloutConfig(max_policy_lag_s=0, max_concurrent=concurrent or MAX_CONCURRENT),
         streams=StreamConfig(heartbeat_s=1.0),
     )
 
@@ -115,3 +118,47 @@ def test_vllm_killed_mid_run_episodes_wait_and_resume(
     assert acc.lost == acc.duplicated == acc.failures == 0 and acc.groups == 6
     assert dead == 0
     assert all(t.status == "completed" and t.turns[0].token_ids for t in trajs)
+
+
+def test_two_servers_two_pools_both_follow_the_learner(
+    vllm2, vllm, redis_url, subprocess_env, tmp_path, run_name
+):
+    """Two vLLM servers, one pool of rollout workers on each (the run's ``base_url`` and one
+    pinned with ``STREAMRL_POLICY_BASE_URL``): a version the learner announces is loaded by
+    both servers, and every turn is stamped with the version of the server that produced it
+    (its log-probs are those of that version's weights)."""
+    cfg = vllm_run(run_name, vllm.url, concurrent=1, sync="weights")
+    env = make_env("copy")
+    v1 = new_version(vllm.model_dir, tmp_path / "v1", 0.5)
+    started = time.monotonic()
+    with LocalPipeline(
+        cfg, url=redis_url, directory=tmp_path / "run", worker_env=subprocess_env
+    ) as p:
+        p.start_workers(rollout=1, verify=1)
+        p.start_workers(rollout=1, verify=0, env={POLICY_URL_ENV: vllm2.url + "/v1"})
+        Producer(p.r, run_name).from_env(env, 4, 2, seed=4)
+        p.wait_groups(4, timeout=600)
+        announce(p.r, run_name, 1, v1)
+        deadline = time.monotonic() + 120
+        while {vllm.weight_label(), vllm2.weight_label()} != {"1"} and time.monotonic() < deadline:
+            time.sleep(0.5)
+        labels = vllm.weight_label(), vllm2.weight_label()
+        Producer(p.r, run_name).from_env(env, 8, 2, seed=4)  # prompts 4..7
+        p.wait_groups(8, timeout=600)
+        server_of = {
+            w: s["server"] for w, s in health.policy_health(p.r, p.keys)["workers"].items()
+        }
+        acc = p.account(task_ids("copy", 4, 8, 2))
+        trajs = p.trajectories()
+    print(f"two servers, two pools: {time.monotonic() - started:.1f} s")
+    assert labels == ("1", "1"), labels
+    assert sorted(server_of.values()) == sorted([vllm.url, vllm2.url]), server_of
+    assert acc.lost == acc.duplicated == acc.failures == 0 and acc.groups == 8
+    ref = Reference()
+    dirs = {0: vllm.model_dir, 1: v1}
+    seen = set()
+    for t in trajs:
+        turn = t.turns[0]
+        assert ref.error(dirs[turn.policy_version], turn) < SAME, (t.worker, turn.policy_version)
+        seen.add((server_of[t.worker], turn.policy_version))
+    assert {(vllm.url, 1), (vllm2.url, 1)} <= seen, seen
