@@ -270,8 +270,7 @@ def bench_soak(minutes, kill_every_s, sample_s, seed, plot_path, directory, as_j
     "--trl-lr",
     type=click.FloatRange(min=0, min_open=True),
     default=None,
-    help="TRL's learning rate (default: its fastest measured on the task: copy 5e-4, lookup 1e-4; "
-    "bench/trl_agent_lr.py sweeps it on lookup).",
+    help="TRL's learning rate (default: its fastest measured: copy 5e-4, lookup 1e-4).",
 )
 @click.option(
     "--seconds",
@@ -331,9 +330,8 @@ def bench_soak(minutes, kill_every_s, sample_s, seed, plot_path, directory, as_j
     type=click.FloatRange(min=1),
     default=60.0,
     show_default=True,
-    help="lookup: seconds of TRL training between its weight snapshots (each one is evaluated "
-    "afterwards until one reaches the target: fewer snapshots, shorter evaluation; 1: after "
-    "every step, TRL's earliest time).",
+    help="lookup: seconds of TRL training between weight snapshots, each evaluated afterwards "
+    "until one reaches the target (1: after every step, TRL's earliest time).",
 )
 @click.option(
     "--together",
