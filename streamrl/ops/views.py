@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -233,11 +235,16 @@ def watch_live(
     from streamrl.ops.status import collect
 
     feed = RewardFeed(r, run, start="0-0")
+    # Ctrl-C sets a flag the loop checks, rather than raising KeyboardInterrupt wherever the
+    # main thread is: raised inside rich's `with lock:` it can leave the lock held, and Live's
+    # stop then waits forever on its refresh thread (a watch that never exited on SIGINT)
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         with Live(refresh_per_second=4) as live:
-            while True:
+            while not stop.is_set():
                 feed.poll()
                 live.update(RichGroup(feed.table(), status_table(collect(r, run, control))))
-                time.sleep(interval)
-    except KeyboardInterrupt:
-        pass
+                stop.wait(interval)
+    finally:
+        signal.signal(signal.SIGINT, previous)
