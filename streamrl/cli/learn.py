@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import tomllib
+import traceback
 
 import click
 import msgspec
@@ -18,7 +19,7 @@ from streamrl.connection import check_url, connect, redact, resolve_url
 from streamrl.defaults import DEFAULT_RUN, RUN_DIR
 from streamrl.learner.checkpoint import CheckpointFailed
 from streamrl.learner.config import load_learner_config
-from streamrl.learner.distributed import launch, world_size
+from streamrl.learner.distributed import exit_rank, launch, world_size
 from streamrl.learner.loop import run_learner
 from streamrl.learner.report import (
     ReportUnavailable,
@@ -105,12 +106,23 @@ def learn_command(
             if value is not None:
                 args += [flag, str(value)]
         sys.exit(launch(nproc, args))
+    ranked = world_size() > 1  # under torchrun: leave through exit_rank, never teardown
     try:
         state = run_learner(resolved, run, cfg, exit_when_idle=exit_when_idle, shards=shards)
     except (ValueError, RunFaulted, EvictingRedis, CheckpointFailed) as e:  # torchrun's too
+        if ranked:
+            click.echo(f"Error: {e}", err=True)
+            exit_rank(1)
         raise click.ClickException(str(e)) from None
+    except BaseException:
+        if ranked:  # a failed collective (a dead rank): say where, then leave the same way
+            traceback.print_exc()
+            exit_rank(1)
+        raise
     if int(os.environ.get("RANK", "0")) == 0:
         click.echo(msgspec.json.encode(state).decode())
+    if ranked:
+        exit_rank(0)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
+from typing import NoReturn
 
 import msgspec
 import structlog
@@ -119,10 +120,6 @@ class DataParallel:
     @property
     def leader(self) -> bool:
         return self.rank == 0
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
 
     # -- rank 0 -> every rank: a command with an optional payload
     def send(self, command: _Command, step: int = 0, payload: bytes = b"") -> None:
@@ -332,6 +329,28 @@ def rank_fields(ranks: list[tuple[int, int]]) -> dict[str, str | int]:
         "rank_pids": ",".join(str(pid) for pid, _ in ranks),
         "rank_params": ",".join(str(n) for _, n in ranks),
     }
+
+
+_PARKED: list[object] = []
+
+
+def park(training: object, dp: DataParallel | None) -> None:
+    """Under torchrun (``dp`` set), keep a rank's model (and with it DDP's reducer and the
+    process group) alive until ``exit_rank``. Gloo's destructor joins its worker threads
+    while holding the GIL, and a worker thread still releasing a finished broadcast's tensors
+    needs the GIL: ranks hung for good in ``~ProcessGroupGloo``, from the reducer's dealloc
+    when the learner returned (twice in the CI's kill test, and 2 of 2 runs here)."""
+    if dp is not None:
+        _PARKED.append(training)
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End a torchrun rank without tearing down what ``park`` kept (see there). Everything
+    that matters (checkpoint, XACK, logs) is done by now."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def launch(nproc: int, args: list[str]) -> int:

@@ -55,7 +55,7 @@ from streamrl.learner._failpoints import failpoint
 from streamrl.learner.batch import has_tokens, is_zero_variance, make_batch, staleness
 from streamrl.learner.checkpoint import CheckpointFailed, Counters, LearnerState, save_checkpoint
 from streamrl.learner.config import LearnerConfig
-from streamrl.learner.distributed import DataParallel, Trainer, rank_fields
+from streamrl.learner.distributed import DataParallel, Trainer, park, rank_fields
 from streamrl.learner.losses import adapt_entropy_coef
 from streamrl.learner.mismatch import StepLog, weights_version
 from streamrl.learner.outcomes import NO_SIGNAL, SOLVED, Outcomes
@@ -88,6 +88,7 @@ def run_learner(
     if dp is not None and not dp.leader:
         return run_follower(dp, cfg, run)
     lrn = _open(url, run, cfg, dp, shards)
+    park(lrn, dp)  # a rank's model is torn down by exit_rank, never by a destructor here
     try:
         lrn.redo_pending()
         fault = _train(lrn, stop, exit_when_idle)
@@ -166,7 +167,6 @@ def _close(lrn: _Learner, dp: DataParallel | None, fault: str | None, failed: bo
     lrn.reporters.close()
     if lrn.trainer is not None and dp is not None:
         lrn.trainer.stop()
-        dp.close()
     status = "faulted" if fault else "failed" if failed else "solved" if st.verdict else "stopped"
     lrn.report(status=status)
     log.info("learner stopped", step=st.step, **msgspec.structs.asdict(st.counters))

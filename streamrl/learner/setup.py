@@ -32,7 +32,7 @@ from streamrl.learner.checkpoint import (
     restore_checkpoint,
 )
 from streamrl.learner.config import LearnerConfig
-from streamrl.learner.distributed import DataParallel, follow, world_size, wrap
+from streamrl.learner.distributed import DataParallel, follow, park, world_size, wrap
 from streamrl.learner.model import AdapterDisabled, load_model, load_reference, seed_everything
 from streamrl.learner.sharded import shard
 from streamrl.learner.train import make_optimizer
@@ -132,5 +132,5 @@ def run_follower(dp: DataParallel, cfg: LearnerConfig, run: str) -> LearnerState
     pad = t.tokenizer.pad_token_id
     t.state.step += follow(dp, t.parallel, t.optimizer, cfg, pad, t.ref_model)
     log.info("rank stopped", rank=dp.rank, step=t.state.step)
-    dp.close()
+    park(t, dp)  # torn down by exit_rank, never by a destructor here
     return t.state
