@@ -20,7 +20,11 @@ Tool calls are parsed by us from the raw text (``<tool_call>`` JSON, see ``_chat
 ``tool_choice: "none"``, which still renders the tools into the prompt. A malformed call thus
 reaches the environment as a ``FunctionCall`` with the raw text as arguments. If the server
 is started with its own tool parser and ``tool_choice`` is set to ``auto`` (option), parsed
-``message.tool_calls`` are used as well.
+``message.tool_calls`` are used as well. A chat template that knows nothing of tools
+(SmolLM2's plain ChatML) drops ``tools`` silently, so the model never learns it has any:
+``tool_prompt = "system"`` describes them in the system message instead and writes earlier
+calls into the assistant's text, which is exactly what the ``hf`` backend renders for such a
+template (its ``tool_prompt = "auto"``), so both backends show the model the same prompt.
 
 Which policy version answered: see ``openai``.
 """
@@ -47,18 +51,23 @@ class ChatWire:
     config: PolicyConfig
     seed: int = 0
     tool_choice: Any = "none"
+    tool_prompt: str = "off"  # "system": tools in the system message, calls inline
     extra_body: dict[str, Any] = field(default_factory=dict)
     lora_prefix: str = "policy"
     _lora_answer: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.tool_prompt not in ("off", "system"):
+            raise ValueError(
+                f"policy option tool_prompt must be off or system, not {self.tool_prompt!r}"
+            )
         pattern = re.compile(rf"{re.escape(self.lora_prefix)}-v(\d+)")
         object.__setattr__(self, "_lora_answer", pattern)  # frozen: set once, here
 
     def body(self, request: PolicyRequest, model: str) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": model,
-            "messages": _chat.to_messages(request.items),
+            "messages": self._messages(request),
             "max_tokens": request.max_new_tokens or self.config.max_new_tokens,
             "temperature": self.config.temperature,
             "top_p": 1.0,
@@ -73,11 +82,17 @@ class ChatWire:
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
         }
-        if request.tools:
+        if request.tools and self.tool_prompt == "off":
             body["tools"] = _chat.to_tools(request.tools)
             body["tool_choice"] = self.tool_choice
         body.update(self.extra_body)
         return body
+
+    def _messages(self, request: PolicyRequest) -> list[dict[str, Any]]:
+        if not (request.tools and self.tool_prompt == "system"):
+            return _chat.to_messages(request.items)
+        messages = _chat.to_messages(request.items, inline_tool_calls=True)
+        return _chat.with_system(messages, _chat.tool_prompt(request.tools))
 
     def turn(
         self,

@@ -67,8 +67,8 @@ Options: ``api_key``, ``timeout_s`` (600), ``connect_timeout_s`` (10), ``max_con
 (256), ``retries`` (4), ``backoff_s`` (0.5), ``backoff_max_s`` (8), ``sync``
 (none|lora|weights), ``lora_prefix`` (policy), ``keep_adapters`` (2), ``weights_method``,
 ``pause_mode`` (wait), ``reload_check_s`` (1.0), ``seed`` (0), ``tool_choice`` (none),
-``extra_body`` ({}), ``trust_env`` (true), ``version_retries`` (3), ``down_wait_s`` (300),
-``max_inflight_per_server`` (0), ``slot_lease_s`` (30).
+``tool_prompt`` (off|system), ``extra_body`` ({}), ``trust_env`` (true), ``version_retries``
+(3), ``down_wait_s`` (300), ``max_inflight_per_server`` (0), ``slot_lease_s`` (30).
 """
 
 from __future__ import annotations
@@ -147,6 +147,7 @@ class OpenAIPolicy(Policy):
             config,
             seed=int(opts.get("seed", 0)),
             tool_choice=opts.get("tool_choice", "none"),
+            tool_prompt=str(opts.get("tool_prompt", "off")),
             extra_body=dict(opts.get("extra_body", {})),
             lora_prefix=str(opts.get("lora_prefix", "policy")),
         )

@@ -15,10 +15,17 @@ from streamrl.bus.keys import Keys
 from streamrl.config import PolicyConfig
 from streamrl.defaults import POLICY_URL_ENV
 from streamrl.models.tiny import build_model, build_tokenizer
-from streamrl.policy import PolicyError, check_policy, make_policy
+from streamrl.policy import PolicyError, _chat, check_policy, make_policy
 from streamrl.policy.base import PolicyRequest
 from streamrl.policy.openai import OpenAIPolicy
-from streamrl.schema import FunctionCall, FunctionTool, Message, PolicyVersion, encode
+from streamrl.schema import (
+    FunctionCall,
+    FunctionCallOutput,
+    FunctionTool,
+    Message,
+    PolicyVersion,
+    encode,
+)
 from tests.support.openai_server import OpenAITestServer
 
 TOOLS = [FunctionTool(name="add", parameters={"type": "object", "properties": {}})]
@@ -217,6 +224,26 @@ def test_tool_calls_and_malformed_tool_calls(tiny_dir, copy_task):
         "type": "function",
         "function": {"name": "add", "description": "", "parameters": TOOLS[0].parameters},
     }
+
+
+def test_tool_prompt_system_describes_tools_for_a_template_without_them(tiny_dir, copy_task):
+    """``tool_prompt = "system"``: no ``tools`` field (a plain ChatML template would drop it),
+    the tools described first in the system message, and an earlier call written into the
+    assistant's text in the form the model is asked to answer in."""
+    t = copy_task("t:0")
+    earlier = FunctionCall(call_id="call_0_0", name="add", arguments='{"a": 1}')
+    items = [*t.input, earlier, FunctionCallOutput(call_id="call_0_0", output="2")]
+    with OpenAITestServer(tiny_dir, script=lambda body: "3") as server:
+        run(make(server.url, tool_prompt="system"),
+            PolicyRequest(task=t, items=items, tools=TOOLS, turn=1))  # fmt: skip
+        sent = server.chat_requests[0]
+    assert "tools" not in sent and "tool_choice" not in sent
+    system, *rest = sent["messages"]
+    assert system == {"role": "system", "content": _chat.tool_prompt(TOOLS)}
+    assert rest[-2] == {"role": "assistant", "content": _chat.hermes_call(earlier)}
+    assert rest[-1] == {"role": "tool", "tool_call_id": "call_0_0", "content": "2"}
+    with pytest.raises(ValueError, match="tool_prompt must be off or system"):
+        make(server.url, tool_prompt="auto")
 
 
 def test_transient_errors_are_retried(server, copy_task):

@@ -76,6 +76,39 @@ def test_turns_carry_prompt_ids_token_ids_and_behaviour_logprobs(vllm):
         assert ref.error(vllm.model_dir, turn) < SAME, (i, turn.logprobs)
 
 
+def test_tool_prompt_system_shows_vllm_the_prompt_the_hf_backend_renders(vllm):
+    """SmolLM2's template drops ``tools``; with ``tool_prompt = "system"`` the prompt vLLM
+    renders for a later ``lookup`` turn (a call and its output in the history) is, token for
+    token, the one the ``hf`` backend renders for the same request: both backends show the
+    model the same tools and the same earlier call."""
+    import random
+
+    from streamrl.envs import make_env
+    from streamrl.policy.hf import HFPolicy
+    from streamrl.schema import FunctionCall, FunctionCallOutput
+
+    env = make_env("lookup")
+    prompt = env.generate(random.Random(0), 0)
+    t = Task(task_id="l0:0", prompt_id="l0", k=0, group_size=1, env="lookup",
+             input=prompt.input, data=prompt.data)  # fmt: skip
+    call = FunctionCall(call_id="call_0_0", name="lookup", arguments='{"name": "Ada"}')
+    items = [*t.input, call, FunctionCallOutput(call_id="call_0_0", output="code: 4711")]
+    req = PolicyRequest(task=t, items=items, tools=env.tools_for(t), turn=1)
+    policy = make(vllm.url, tool_prompt="system")
+
+    async def main():
+        try:
+            return await policy.respond(req)
+        finally:
+            await policy.close()
+
+    turn = asyncio.run(main())
+    hf = HFPolicy(PolicyConfig(backend="hf", model=str(vllm.model_dir), max_new_tokens=8))
+    assert turn.prompt_token_ids == hf._render(req)
+    text = hf.tokenizer.decode(turn.prompt_token_ids)
+    assert "lookup(" in text and '"name": "lookup"' in text  # the tools, the earlier call
+
+
 def test_weights_follow_the_learner_and_every_turn_names_its_weights(
     vllm, r, redis_url, run_name, tmp_path
 ):
