@@ -15,8 +15,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/streamrl demo
 
+# two workers: most tests wait on processes they start (Redis, rq workers, a learner), so
+# two at once fit a 2-core machine; the vLLM tests stay together on one (tests/conftest.py)
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 bench: $(STAMP)
 	$(VENV)/bin/streamrl bench pipeline --tasks 4000 --group-size 4 --json

@@ -102,22 +102,39 @@ def _needs_vllm(item) -> bool:
 TWO_VLLM = "STREAMRL_TEST_TWO_VLLM"  # opt-in: a second server (see tests/support/vllm.py)
 
 
+def _xdist_worker() -> bool:
+    return bool(os.environ.get("PYTEST_XDIST_WORKER"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(session, config, items):
-    """Tests on the real vLLM server run last, so the suite runs while it starts."""
-    items[:] = [i for i in items if not _needs_vllm(i)] + [i for i in items if _needs_vllm(i)]
+    """One process: tests on the real vLLM server run last, so the suite runs while it starts
+    in the background. Under ``pytest -n`` (``make test``): they are one group, run by one
+    worker (the first the scheduler hands work), which starts the server when the group's
+    first test asks for it while the other worker runs the rest of the suite."""
+    vllm = [i for i in items if _needs_vllm(i)]
+    rest = [i for i in items if not _needs_vllm(i)]
+    if _xdist_worker():
+        for item in vllm:
+            item.add_marker(pytest.mark.xdist_group("vllm"))
+    items[:] = rest + vllm
+
+
+def _start_vllm(session) -> None:
+    if "session" in _vllm or not any(_needs_vllm(i) for i in session.items):
+        return
+    from tests.support.vllm import SessionVLLM
+
+    _vllm["session"] = SessionVLLM()  # venv, model and start-up in a background thread
+    wanted = any("vllm2" in getattr(i, "fixturenames", ()) for i in session.items)
+    if wanted and (os.environ.get(TWO_VLLM) == "1" or os.environ.get("STREAMRL_TEST_VLLM2_URL")):
+        cpus = "1" if (os.cpu_count() or 1) > 1 else "0"
+        _vllm["second"] = SessionVLLM("STREAMRL_TEST_VLLM2_URL", cpus=cpus)
 
 
 def pytest_collection_finish(session):
-    if any(_needs_vllm(i) for i in session.items) and not session.config.option.collectonly:
-        from tests.support.vllm import SessionVLLM
-
-        _vllm["session"] = SessionVLLM()  # venv, model and start-up in a background thread
-        wanted = any("vllm2" in getattr(i, "fixturenames", ()) for i in session.items)
-        if wanted and (
-            os.environ.get(TWO_VLLM) == "1" or os.environ.get("STREAMRL_TEST_VLLM2_URL")
-        ):
-            cpus = "1" if (os.cpu_count() or 1) > 1 else "0"
-            _vllm["second"] = SessionVLLM("STREAMRL_TEST_VLLM2_URL", cpus=cpus)
+    if not session.config.option.collectonly and not _xdist_worker():
+        _start_vllm(session)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -140,16 +157,20 @@ def _shared_vllm(name: str):
 
 
 @pytest.fixture
-def vllm():
+def vllm(request):
     """The session's vLLM server (tests/support/vllm.py), on the base weights and serving."""
+    if _xdist_worker():
+        _start_vllm(request.session)  # the worker that runs the vLLM group starts it
     if "session" not in _vllm:
         pytest.skip("the vLLM server is started only when collection selects a vLLM test")
     return _shared_vllm("session")
 
 
 @pytest.fixture
-def vllm2():
+def vllm2(request):
     """A second vLLM server, beside ``vllm``: opt-in, its start-up does not fit the CI."""
+    if _xdist_worker():
+        _start_vllm(request.session)
     if "second" not in _vllm:
         pytest.skip(
             f"a second vLLM server (87 s to start here, on a busy 2-core machine) and this "

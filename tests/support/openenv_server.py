@@ -55,17 +55,23 @@ def python() -> Path:
 def echo_env(where: Path) -> Path:
     """``openenv init echo_env`` into ``where``: the package's template, unchanged. The CLI
     takes seconds to start, so its output is kept beside the virtualenv and copied."""
+    import fcntl
+
     exe = python()
     cached = exe.parent.parent / "streamrl-template" / ENV_NAME
-    if not (cached / "server" / "app.py").exists():
-        shutil.rmtree(cached.parent, ignore_errors=True)
-        cached.parent.mkdir(parents=True)
-        subprocess.run(
-            [str(exe.parent / "openenv"), "init", ENV_NAME, "--output-dir", str(cached.parent)],
-            check=True,
-            capture_output=True,
-            env={**os.environ, "PATH": f"{exe.parent}:{os.environ.get('PATH', '')}"},
-        )
+    # locked: two test workers (make test runs two) once wrote the template at the same time
+    with open(ROOT / ".venv-openenv.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (cached / "server" / "app.py").exists():
+            shutil.rmtree(cached.parent, ignore_errors=True)
+            cached.parent.mkdir(parents=True)
+            subprocess.run(
+                [str(exe.parent / "openenv"), "init", ENV_NAME, "--output-dir",
+                 str(cached.parent)],
+                check=True,
+                capture_output=True,
+                env={**os.environ, "PATH": f"{exe.parent}:{os.environ.get('PATH', '')}"},
+            )  # fmt: skip
     env_dir = where / ENV_NAME
     shutil.copytree(cached, env_dir, dirs_exist_ok=True)
     return env_dir
