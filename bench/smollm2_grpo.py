@@ -143,7 +143,8 @@ def _train(backend: str, args, base: Path, cfg: Path, run: str, env: dict, srl: 
     server_start_s = 0.0
     if backend == "vllm":
         print("starting the vLLM server ...", file=sys.stderr)
-        server = VLLMServer(MODEL, log_path=logs / "vllm.log").start().wait_ready()
+        server = VLLMServer(MODEL, log_path=logs / "vllm.log", cpus=args.vllm_cpus)
+        server.start().wait_ready()
         server_start_s = time.monotonic() - launched
         print(f"  vLLM ready in {server_start_s:.0f} s", file=sys.stderr)
         run_cfg.write_text(_vllm_policy(cfg.read_text(), server.url))
@@ -273,6 +274,8 @@ def main(
                     help="the base model eval JSON of an earlier run")  # fmt: skip
     ap.add_argument("--backend", choices=("hf", "vllm", "both"), default="hf",
                     help="rollout workers sample: hf in process, vllm via a server")  # fmt: skip
+    ap.add_argument("--vllm-cpus", default="",
+                    help="the CPUs vLLM's threads are bound to (e.g. 1; default: all)")  # fmt: skip
     args = ap.parse_args()
 
     started = time.monotonic()
@@ -320,6 +323,8 @@ def main(
             for e in evals
         ]  # fmt: skip
         suffix = "" if len(backends) == 1 and backend == "hf" else f"_{backend}"
+        if backend == "vllm" and args.vllm_cpus:
+            suffix += f"-cpus{args.vllm_cpus}"
         png = args.out / f"{name}{suffix}.png"
         _plot(trained["curve"], points, png, f"{title}, {backend}")
         before, after = points[0], points[-1]
@@ -330,6 +335,7 @@ def main(
             "config": str(config.relative_to(ROOT)),
             "backend": backend,
             "server_start_seconds": trained["server_start_seconds"],
+            "vllm_cpus": (args.vllm_cpus or "all") if backend == "vllm" else None,
             "train_seconds": trained["train_seconds"],
             "learner_step": int(learner.get("step", 0)),
             "groups_consumed": int(learner.get("groups_consumed", 0)),

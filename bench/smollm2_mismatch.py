@@ -63,7 +63,10 @@ def main() -> None:
         from streamrl.policy.openai import OpenAIPolicy
 
         model_dir = MODEL if (MODEL / "model.safetensors").is_file() else cached_smollm2()
-        server = VLLMServer(model_dir, dtype=args.dtype).start().wait_ready()
+        server = VLLMServer(
+            model_dir, dtype=args.dtype, log_path=Path(f"/tmp/vllm-mismatch-{args.dtype}.log")
+        )
+        server.start().wait_ready()
         config = PolicyConfig(backend="openai", base_url=server.url + "/v1", model="policy",
                               temperature=args.temperature, max_new_tokens=36,
                               options={"trust_env": False, "tool_prompt": "system"})  # fmt: skip
