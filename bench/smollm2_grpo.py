@@ -189,10 +189,10 @@ def _train(backend: str, args, base: Path, cfg: Path, run: str, env: dict, srl: 
             point = {
                 "t": round(time.monotonic() - t_train, 1),
                 "step": int(h.get("step", 0)),
-                "reward_mean": float(h["reward_mean"]) if h.get("reward_mean") else None,
-                "entropy": float(h["entropy"]) if h.get("entropy") else None,
-                "mismatch_abs": float(h["mismatch_abs"]) if h.get("mismatch_abs") else None,
-                "mismatch_kl": float(h["mismatch_kl"]) if h.get("mismatch_kl") else None,
+                **{
+                    k: float(h[k]) if h.get(k) else None
+                    for k in ("reward_mean", "entropy", "mismatch_abs", "mismatch_kl")
+                },
             }
             if not curve or curve[-1]["step"] != point["step"]:
                 curve.append(point)

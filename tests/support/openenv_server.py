@@ -13,18 +13,28 @@ has openenv-core instead.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 VENV = ROOT / ".venv-openenv"
 PACKAGE = "openenv-core==0.3.0"
 ENV_NAME = "echo_env"
+
+
+@contextlib.contextmanager
+def _locked() -> Iterator[None]:
+    """The virtualenv's file lock: parallel test processes build it (and its template) once."""
+    with open(ROOT / ".venv-openenv.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def python() -> Path:
@@ -37,11 +47,8 @@ def python() -> Path:
     ready = VENV / ".ready"
     if ready.exists():
         return exe
-    import fcntl
-
     VENV.parent.mkdir(parents=True, exist_ok=True)
-    with open(ROOT / ".venv-openenv.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _locked():
         if not ready.exists():
             subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
             subprocess.run(
@@ -55,13 +62,10 @@ def python() -> Path:
 def echo_env(where: Path) -> Path:
     """``openenv init echo_env`` into ``where``: the package's template, unchanged. The CLI
     takes seconds to start, so its output is kept beside the virtualenv and copied."""
-    import fcntl
-
     exe = python()
     cached = exe.parent.parent / "streamrl-template" / ENV_NAME
     # locked: two test workers (make test runs two) once wrote the template at the same time
-    with open(ROOT / ".venv-openenv.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _locked():
         if not (cached / "server" / "app.py").exists():
             shutil.rmtree(cached.parent, ignore_errors=True)
             cached.parent.mkdir(parents=True)
