@@ -339,7 +339,7 @@ def park(training: object, dp: DataParallel | None) -> None:
     process group) alive until ``exit_rank``. Gloo's destructor joins its worker threads
     while holding the GIL, and a worker thread still releasing a finished broadcast's tensors
     needs the GIL: ranks hung for good in ``~ProcessGroupGloo``, from the reducer's dealloc
-    when the learner returned (twice in the CI's kill test, and 2 of 2 runs here)."""
+    when the learner returned (the CI's kill test timed out on it; here, 2 runs of it)."""
     if dp is not None:
         _PARKED.append(training)
 
