@@ -105,10 +105,17 @@ class EmbeddedRedis:
                 raise RuntimeError(f"redis-server did not answer on {self.url} in time")
             time.sleep(0.02)
         client.close()
-        (self.directory / "redis.url").write_text(self.url + "\n")
-        (self.directory / "redis.pid").write_text(f"{self.proc.pid}\n")
-        (self.directory / "redis.port").write_text(f"{self.port}\n")
+        # redis.url last, and each file whole: a reader polls for redis.url and must never
+        # see it created but still empty (CI once read "" there).
+        self._write("redis.pid", f"{self.proc.pid}\n")
+        self._write("redis.port", f"{self.port}\n")
+        self._write("redis.url", self.url + "\n")
         return self
+
+    def _write(self, name: str, text: str) -> None:
+        tmp = self.directory / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, self.directory / name)
 
     def kill(self) -> None:
         """SIGKILL the server, as a crash would (no shutdown save, no cleanup); ``start()``

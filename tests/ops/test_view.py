@@ -191,6 +191,8 @@ def test_in_a_real_browser(viewed_run, tmp_path):
         page.goto(run.view + "/samples")
         page.fill("input[name=prompt]", "counter-s5-0000003")
         page.click("button[type=submit]")
+        # count() does not wait: wait for the results page to load, not just to commit
+        page.wait_for_url(lambda url: "prompt=counter-s5-0000003" in url)
         links = page.locator("a.sample-link")
         assert links.count() == 4
         assert set(links.all_inner_texts()) == {f"counter-s5-0000003:{k}" for k in range(4)}
@@ -201,6 +203,7 @@ def test_in_a_real_browser(viewed_run, tmp_path):
         seen.append(page.content())
         group = page.locator("a", has_text="its group")
         group.click()
+        page.wait_for_url(lambda url: "/group/" in url)
         assert page.locator("#best").count() == 1 and page.locator("#worst").count() == 1
         page.goto(run.view + "/samples?text=n%3A+")  # the malformed calls: `{n: `
         page.locator("a.sample-link").first.click()
