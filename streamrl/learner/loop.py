@@ -230,8 +230,7 @@ class _Learner:
         return self.cfg.entropy_coef if coef is None else coef
 
     def redo_pending(self) -> None:
-        """Entries delivered to us before a crash: skip what the checkpoint covers, redo the
-        rest."""
+        """Entries delivered to us before a crash: skip what the checkpoint covers; redo it."""
         for shard, entry_id, fields in self.reader.read_pending():
             if id_order(entry_id) <= id_order(self.covered(shard)):
                 self.reader.ack([(shard, entry_id)])
@@ -343,8 +342,9 @@ class _Learner:
                 "step", step=st.step, loss=round(stats.loss, 6), reward_mean=stats.reward_mean,
                 entropy=round(stats.entropy, 4), entropy_coef=round(coef, 6),
                 grad_norm=round(stats.grad_norm, 4), lr=stats.lr, tokens=stats.tokens,
-                groups_consumed=consumed, dropped={k: v for k, v in drops.items() if v},
-                solved_rate=solved, no_signal_rate=no_signal, **stats.mismatch.means(),
+                step_seconds=round(stats.seconds, 3), groups_consumed=consumed,
+                dropped={k: v for k, v in drops.items() if v}, solved_rate=solved,
+                no_signal_rate=no_signal, **stats.mismatch.means(),
                 **self.outcomes.by_env.line(),  # a mixture: reward and rates per environment
             )  # fmt: skip
         self.reporters.log(st.step, scalars)
@@ -394,7 +394,7 @@ class _Learner:
         fields["entropy_coef"] = round(self.entropy_coef(), 6)
         fields.update(rank_fields(self.ranks))  # data parallel: pids, parameters held
         if self.group_size:
-            # admission control: rollouts may run (max_staleness + 1) batches ahead, no more
-            batch = self.cfg.batch_groups * self.group_size
-            fields["max_in_flight"] = (self.cfg.max_staleness + 1) * batch
+            # admission: rollouts run (max_staleness + 1) batches ahead, 0 holds the batch too
+            batch, s = self.cfg.batch_groups * self.group_size, self.cfg.max_staleness
+            fields.update(max_in_flight=(s + 1) * batch, max_staleness=s)
         self.r.hset(self.keys.learner, mapping=fields)

@@ -95,7 +95,11 @@ def token_entropy(logits: Tensor, mask: Tensor, temperature: float = 1.0) -> Ten
     """Entropy of the sampling distribution (softmax of logits / temperature) at each position
     where ``mask`` is set, as a flat (N,) tensor: only those rows of the (B, T, V) logits are
     expanded, which matters with a large vocabulary."""
-    rows = logits[mask.bool()]
+    return row_entropy(logits[mask.bool()], temperature)
+
+
+def row_entropy(rows: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy of each row of (N, V) logits at ``temperature``: (N,)."""
     if temperature != 1.0:
         rows = rows / temperature
     logp = torch.log_softmax(_at_least_float32(rows), dim=-1)

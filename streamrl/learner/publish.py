@@ -32,9 +32,11 @@ from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.learner._failpoints import failpoint
 from streamrl.learner.checkpoint import fsync_path, write_failure
+from streamrl.models.tied_head import write_explicit_head
 from streamrl.policy.integrity import digest_dir
 
 _TMP_PREFIX = ".tmp-"
+_WEIGHTS = "model.safetensors"
 log = structlog.get_logger("streamrl.learner")
 
 
@@ -66,8 +68,11 @@ def _write_policy(
 
     hf_logging.disable_progress_bar()  # else a "Writing model shards" bar per version in the log
     try:
-        # one model.safetensors
-        model.save_pretrained(tmp, max_shard_size="1000GB", state_dict=state_dict)
+        if state_dict is None and not hasattr(model, "peft_config"):
+            _save_full(model, tmp)
+        else:  # an adapter, or FSDP's gathered weights: transformers' and peft's own layout
+            model.save_pretrained(tmp, max_shard_size="1000GB", state_dict=state_dict)
+            write_explicit_head(tmp)  # a tied head reaches vLLM's reload too (models.tied_head)
         tokenizer.save_pretrained(tmp)
         for f in tmp.iterdir():
             if f.is_file():
@@ -81,6 +86,29 @@ def _write_policy(
     os.rename(tmp, final)
     fsync_path(policy_dir)
     return final
+
+
+def _save_full(model: Any, directory: Path) -> None:
+    """What ``save_pretrained`` then ``write_explicit_head`` write for a whole model (its
+    config, generation config and one ``model.safetensors`` holding every weight, a tied head
+    as its own copy), with the weights written once: those two passes wrote SmolLM2's 540 MB
+    twice and read them back once in between (a version took 1.5-1.7 s, now 1.1-1.3 s, digest
+    included, on a 2-core VM)."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(directory)
+    if model.can_generate() and getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(directory)
+    seen: set[tuple] = set()
+    tensors = {}
+    for name, t in model.state_dict().items():
+        key = t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)
+        # a tied head shares the embedding's storage, which safetensors refuses: a copy
+        t = t.detach().cpu()
+        tensors[name] = t.clone() if key in seen else t.contiguous()
+        seen.add(key)
+    save_file(tensors, str(directory / _WEIGHTS), metadata={"format": "pt"})
 
 
 def _last_announced(r: redis.Redis, keys: Keys) -> int:

