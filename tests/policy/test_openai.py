@@ -345,6 +345,7 @@ def test_full_weight_update_drains_pauses_and_stamps(tiny_dir, copy_task, r, red
     save_file(state, tmp_path / "model.safetensors")
     req = request(copy_task("w:0"))
     with OpenAITestServer(tiny_dir, delay_s=0.3) as server:
+        server.reset_refusals = 2  # vLLM: {"success": false} while blocks are held; retried
         policy = make(
             server.url, redis_url=redis_url, run=run_name, sync="weights", reload_check_s=0
         )
@@ -368,7 +369,9 @@ def test_full_weight_update_drains_pauses_and_stamps(tiny_dir, copy_task, r, red
         "rpc:reload_weights",
         "/reset_prefix_cache",
     ]
-    assert server.control_calls == ["/pause?mode=wait", "/reset_prefix_cache", "/resume"]
+    resets = ["/reset_prefix_cache"] * 3  # refused twice, then done
+    assert server.control_calls == ["/pause?mode=wait", *resets, "/resume"]
+    assert policy.prefix_reset_failures == 0
     assert server.weights_version == 1  # one client, one update, however many requests
     assert before.policy_version == 0
     reference = build_model(0).eval()

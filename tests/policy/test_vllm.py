@@ -208,3 +208,58 @@ def test_a_request_that_times_out_is_retried_not_failed(vllm):
         os.killpg(pgid, signal.SIGCONT)
     assert policy.timeouts >= 1
     assert turn.token_ids and Reference().error(vllm.model_dir, turn) < SAME
+
+
+def test_later_turns_continue_from_the_exact_token_ids(vllm):
+    """Multi-turn ``lookup`` episodes through vLLM: every later turn's prompt is the previous
+    turn's prompt and sampled ids, then the tool output as vLLM's template renders it. The
+    model's own words are never re-rendered (and re-tokenized), so the learner lays an
+    episode's turns end to end in one row, and each turn's log-probs are transformers' at
+    the ids it really sampled after that prompt. (With ``continue_tokens = false``, as every
+    turn was sent before, the prefix check fails: a re-render changed a sampled id.)"""
+    import random
+
+    from streamrl.config import RolloutConfig
+    from streamrl.envs import make_env
+    from streamrl.learner.batch import make_batch
+    from streamrl.schema import SCHEMA_VERSION, Group, Sample, Score
+    from streamrl.workers.episode import new_session, run_episode
+
+    env = make_env("lookup")
+    policy = make(vllm.url, tool_prompt="system", max_new_tokens=48)
+    rng = random.Random(0)
+    tasks = []
+    for i in range(6):
+        prompt = env.generate(rng, i)
+        tasks += [Task(task_id=f"c{i}:{k}", prompt_id=f"c{i}", k=k, group_size=2, env="lookup",
+                       input=prompt.input, data=prompt.data) for k in range(2)]  # fmt: skip
+
+    async def main():
+        try:
+            return await asyncio.gather(*(
+                run_episode(env, policy, t, new_session(env, t), None, RolloutConfig(max_turns=4))
+                for t in tasks
+            ))  # fmt: skip
+        finally:
+            await policy.close()
+
+    trajs = asyncio.run(main())
+    later = [(a, b) for t in trajs for a, b in zip(t.turns, t.turns[1:])]  # noqa: B905
+    assert len(later) >= 3, [len(t.turns) for t in trajs]
+    assert policy._tokens.continued == len(later) and policy._tokens.full_renders == 0
+    for a, b in later:
+        head = [*a.prompt_token_ids, *a.token_ids]
+        assert b.prompt_token_ids[: len(head)] == head
+        assert len(b.prompt_token_ids) > len(head) + 1  # the tool output follows
+    ref = Reference()
+    for t in trajs[:4]:
+        for turn in t.turns:
+            assert turn.logprobs == pytest.approx(ref.logprobs(vllm.model_dir, turn), abs=SAME)
+    # one learner row per episode, whatever its number of turns
+    samples = [Sample(trajectory=t, score=Score(task_id=t.task_id, prompt_id=t.prompt_id,
+                                                k=t.k, reward=float(t.k)))
+               for t in trajs]  # fmt: skip
+    groups = [Group(SCHEMA_VERSION, s[0].score.prompt_id, 2, 0.5, 0.5, s)
+              for s in zip(samples[::2], samples[1::2])]  # noqa: B905  # fmt: skip
+    batch = make_batch(groups, 0, "group", 0)
+    assert batch.input_ids.shape[0] == len(trajs)

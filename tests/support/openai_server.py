@@ -60,6 +60,7 @@ class OpenAITestServer:
         self.script = script
         self.chat_requests: list[dict[str, Any]] = []
         self.control_calls: list[str] = []
+        self.reset_refusals = 0  # /reset_prefix_cache answers {"success": false} this often
         self.events: list[str] = []  # chat start/end and control calls, in arrival order
         self.delay_s = delay_s  # per chat request: keeps requests in flight for ordering tests
         self._failures: list[int] = []
@@ -297,6 +298,9 @@ def _handler(server: OpenAITestServer) -> type[BaseHTTPRequestHandler]:
                 server.control_calls.append(url.path + mode)
                 server.events.append(url.path)
                 status, payload = 200, {"status": url.path.strip("/")}
+                if url.path == "/reset_prefix_cache":  # vLLM's answer; refused while held
+                    payload = {"success": server.reset_refusals <= 0}
+                    server.reset_refusals -= 1
             else:
                 status, payload = 404, _error(404, "Not Found")
             self._send(status, payload)

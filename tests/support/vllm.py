@@ -169,13 +169,18 @@ class Reference:
 
 
 def new_version(base: Path, out: Path, scale: float) -> Path:
-    """A policy version as the learner publishes it: the base with its final norm scaled."""
+    """A policy version as the learner publishes it: the base with its final norm scaled, and
+    its tied embedding by a tenth as much, with the explicit head the learner writes
+    (``streamrl.models.tied_head``): a server whose output head kept older weights answers
+    with the wrong log-probs."""
     out.mkdir(parents=True)
     for f in base.iterdir():
         if f.is_file() and f.name != "model.safetensors":
             shutil.copy(f, out / f.name)
     state = load_file(str(base / "model.safetensors"))
     state["model.norm.weight"] = state["model.norm.weight"] * scale
+    embed = state["model.embed_tokens.weight"] * (1 + (scale - 1) / 10)
+    state["model.embed_tokens.weight"], state["lm_head.weight"] = embed, embed.clone()
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
