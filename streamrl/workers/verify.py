@@ -35,7 +35,7 @@ from streamrl.config import RunConfig
 from streamrl.defaults import MASKED, SCHEMA_VERSION, VERIFY_GROUP, VERIFY_QUEUE
 from streamrl.envs import Environment, SampleMasked
 from streamrl.http import RetryPolicy
-from streamrl.verifiers.deadline import VerifierTimeout, deadline
+from streamrl.verifiers.deadline import Deadlines, VerifierTimeout, deadline
 from streamrl.verifiers.reward_functions import RewardFunctions
 from streamrl.workers import leases
 from streamrl.workers.context import consumer_name, control_connection, read_config
@@ -54,17 +54,19 @@ def verify_one(
     timeout_s: float,
     retries: int,
     rewards: RewardFunctions | None = None,
+    deadlines: Deadlines | None = None,
 ) -> schema.Score:
     """Score a trajectory, or raise VerifyFailure saying why it could not be scored. Any
     error (a timeout, a crash, a non-finite reward) is worth another attempt, at once; a
     sample the environment masked (``SampleMasked``) is raised as it is, not retried.
-    ``rewards``: the run's TRL-style reward functions, which score instead of ``env``."""
+    ``rewards``: the run's TRL-style reward functions, which score instead of ``env``;
+    ``deadlines``: the batch's timer (one SIGALRM handler for many calls), else one of its own."""
     name, version = rewards.verifier_id if rewards is not None else env.verifier_id
     task = traj.task()
     masked: list[SampleMasked] = []
 
     def attempt() -> schema.Score | None:
-        with deadline(timeout_s):
+        with deadline(timeout_s) if deadlines is None else deadlines.call(timeout_s):
             if rewards is not None:
                 verdict = rewards.score(task, traj)
             else:
@@ -207,9 +209,37 @@ class _VerifyLease:
 
     def process(self, entries: list[Entry]) -> None:
         cfg = self.config
+        self._prefetch_judge(entries)
+        with Deadlines() as deadlines:
+            ok, failed = self._verify(entries, deadlines)
+        if ok:
+            failed += self._score(ok)
+        if failed:
+            keys, args = deadletter_call(
+                self.keys, self.keys.rollouts, VERIFY_GROUP, self.consumer, failed, False,
+                cfg.streams.group_done_ttl_s,
+            )  # fmt: skip
+            res = self.scripts.deadletter(keys=keys, args=args)
+            self.counts["dead_lettered"] += sum(res)
+            kinds: dict[str, int] = {}
+            for (e, blob, _), done in zip(failed, res, strict=True):
+                if done:
+                    kind = schema.DEAD_LETTER.decode(blob).kind
+                    if kind:
+                        kinds[kind] = kinds.get(kind, 0) + 1
+                    log.warning("dead-lettered trajectory", task_id=e.task_id, kind=kind)
+            # counted by kind for `streamrl status` (after the dead letters are written: a
+            # worker killed in between undercounts by what it had; the dead stream holds all)
+            for kind, n in kinds.items():
+                self.r.hincrby(self.keys.stats, kind, n)
+
+    def _verify(
+        self, entries: list[Entry], deadlines: Deadlines
+    ) -> tuple[list[tuple[Entry, schema.Trajectory, schema.Score]], list[tuple]]:
+        """Score each entry (``ok``) or say why it cannot be (``failed``, to dead-letter)."""
+        cfg = self.config
         ok: list[tuple[Entry, schema.Trajectory, schema.Score]] = []
         failed: list[tuple] = []
-        self._prefetch_judge(entries)
         last_beat = time.monotonic()
         for i, e in enumerate(entries):
             if time.monotonic() - last_beat > cfg.streams.heartbeat_s:
@@ -234,7 +264,9 @@ class _VerifyLease:
                 continue
             try:
                 env, rewards = self._env(traj.env)
-                score = verify_one(env, traj, cfg.verify.timeout_s, cfg.verify.retries, rewards)
+                score = verify_one(
+                    env, traj, cfg.verify.timeout_s, cfg.verify.retries, rewards, deadlines
+                )
             except SampleMasked as err:  # an environment failure, by its kind
                 failed.append(self._failure(e, str(err), traj, f"{MASKED}{err.kind}"))
                 continue
@@ -245,26 +277,7 @@ class _VerifyLease:
             score.rollout_id = e.id
             score.worker = self.consumer
             ok.append((e, traj, score))
-        if ok:
-            failed += self._score(ok)
-        if failed:
-            keys, args = deadletter_call(
-                self.keys, self.keys.rollouts, VERIFY_GROUP, self.consumer, failed, False,
-                cfg.streams.group_done_ttl_s,
-            )  # fmt: skip
-            res = self.scripts.deadletter(keys=keys, args=args)
-            self.counts["dead_lettered"] += sum(res)
-            kinds: dict[str, int] = {}
-            for (e, blob, _), done in zip(failed, res, strict=True):
-                if done:
-                    kind = schema.DEAD_LETTER.decode(blob).kind
-                    if kind:
-                        kinds[kind] = kinds.get(kind, 0) + 1
-                    log.warning("dead-lettered trajectory", task_id=e.task_id, kind=kind)
-            # counted by kind for `streamrl status` (after the dead letters are written: a
-            # worker killed in between undercounts by what it had; the dead stream holds all)
-            for kind, n in kinds.items():
-                self.r.hincrby(self.keys.stats, kind, n)
+        return ok, failed
 
     def _release(self, traj: schema.Trajectory) -> None:
         """A sample dead-lettered here releases what it holds on a server (``nemo-gym``: its
