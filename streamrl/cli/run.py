@@ -305,7 +305,7 @@ def _admitted_producer(r: Any, cfg: RunConfig) -> tuple[LearnerAdmission, Produc
     """A producer under admission control: never more than (max_staleness + 1) learner batches
     in flight, drops settle only as fast as training pays for them, and Redis stays under its
     memory budget. While held, it says why on stderr."""
-    from streamrl.producer.admission import LearnerAdmission, admission_batch, admission_limit
+    from streamrl.producer.admission import LearnerAdmission, admission_limit, push_samples
     from streamrl.producer.produce import BATCH, Producer
 
     def waiting(hold) -> None:
@@ -314,7 +314,7 @@ def _admitted_producer(r: Any, cfg: RunConfig) -> tuple[LearnerAdmission, Produc
 
     limit = admission_limit(cfg.learner, cfg.group_size)
     admission = LearnerAdmission.from_config(r, cfg, limit, on_wait=waiting)
-    batch = min(BATCH, admission_batch(cfg.learner, cfg.group_size) or BATCH)
+    batch = push_samples(cfg.learner, cfg.group_size, BATCH)
     return admission, Producer(r, cfg.run, admission=admission, batch_samples=batch)
 
 

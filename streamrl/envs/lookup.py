@@ -214,7 +214,10 @@ class LookupEnv(Environment[LookupState]):
             who, code = found
             new = msgspec.structs.replace(state, looked_up=[*state.looked_up, who])
             return StepResult(json.dumps({"name": who, "code": code}), new)
-        new = msgspec.structs.replace(state, submitted=int(arguments["code"]))
+        code = int(arguments["code"])
+        if not -(2**63) <= code < 2**63:  # the state is msgpack: a larger int cannot be stored
+            raise ToolError(f"code {str(code)[:12]}... is out of range")
+        new = msgspec.structs.replace(state, submitted=code)
         return StepResult("submitted", new, done=True)
 
     def verify(self, task: Task, trajectory: Trajectory, state: LookupState) -> Verdict:

@@ -169,6 +169,7 @@ class LearnerAdmission:
             filling=c.filling,
             zero_variance=c.zero_variance,
             verdict=c.verdict,
+            held=c.held,
         )
 
     def in_flight(self) -> tuple[int, int | None]:
@@ -252,6 +253,16 @@ def admission_batch(learner: dict[str, Any], group_size: int) -> int | None:
     if not learner:
         return None
     return int(learner.get("batch_groups", 8)) * group_size
+
+
+def push_samples(learner: dict[str, Any], group_size: int, most: int) -> int:
+    """Samples per push: a learner batch (at most ``most``), or one prompt's group when the
+    learner is synchronous (``max_staleness = 0``). Its gate holds the batch being trained as
+    in flight, so a push only tops that batch up; a larger one could not fit in the window
+    until the learner, still waiting for the rest of its batch, had emptied it."""
+    if learner and int(learner.get("max_staleness", d.MAX_STALENESS)) == 0:
+        return group_size
+    return min(most, admission_batch(learner, group_size) or most)
 
 
 def admission_limit(learner: dict[str, Any], group_size: int) -> int | None:

@@ -27,6 +27,7 @@ _LEARNER_FIELDS = (
     "dropped_zero_variance",
     "updated_at",
     "verdict",
+    "max_staleness",
 )
 
 MiB = 1024 * 1024
@@ -45,6 +46,7 @@ class Gate:
     filling: bool = False  # the learner holds a part-filled batch: it waits for more groups
     zero_variance: int = 0  # of ``dropped``, the zero-variance samples: never charged
     verdict: str = ""  # the learner stopped itself: the task is solved (learner.outcomes)
+    held: int = 0  # accepted samples still in flight (synchronous runs: ``Counters.held``)
 
     @property
     def faults(self) -> int:
@@ -58,7 +60,7 @@ class Gate:
 
     @property
     def in_flight(self) -> int:
-        return self.pipeline + self.debt
+        return self.pipeline + self.debt + self.held
 
 
 @dataclass
@@ -107,6 +109,11 @@ class Counters:
     filling: bool  # the learner holds a part-filled batch
     zero_variance: int = 0  # of ``dropped``, samples of zero-variance groups
     verdict: str = ""  # the learner's verdict ("" while it has none)
+    # Samples the learner accepted but has not trained on, when they still count as in
+    # flight: at ``max_staleness = 0`` (synchronous training) the next batch may only be
+    # pushed once this one is trained and its version published, or it is sampled by the
+    # version being trained and dropped as stale: a sync run would crawl on its drop budget.
+    held: int = 0
 
     @property
     def faults(self) -> int:
@@ -130,6 +137,7 @@ def read_counters(r: redis.Redis, keys: Keys, shards: list[Keys], group_size: in
         int(float(x or 0)) for x in learner[:6]
     )
     useful = (applied + waiting) * group_size
+    synchronous = learner[8] is not None and int(float(learner[8])) == 0
     dropped = max(0, consumed + invalid * group_size - useful) + assembly_dropped * group_size
     return Counters(
         pushed=pushed,
@@ -140,6 +148,7 @@ def read_counters(r: redis.Redis, keys: Keys, shards: list[Keys], group_size: in
         filling=waiting > 0,
         zero_variance=min(dropped, zero_variance * group_size),
         verdict=as_str(learner[7] or ""),
+        held=waiting * group_size if synchronous else 0,
     )
 
 

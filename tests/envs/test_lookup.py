@@ -56,6 +56,8 @@ def test_a_models_broken_calls_come_back_as_error_outputs(episode):
         ("lookup", '{"name": "Nobody"}', "no person named 'Nobody'"),
         ("lookup", '{"name": ', "not valid JSON"),
         ("submit", '{"code": "12ab"}', "invalid arguments for submit"),
+        # seen from SmolLM2 through vLLM: a 20-digit code, which no state could store
+        ("submit", '{"code": 57382044482233486083}', "code 573820444822... is out of range"),
         ("search", "{}", "unknown tool 'search'"),
     ]:
         result = env.call_tool(state, FunctionCall(call_id="c", name=name, arguments=args))

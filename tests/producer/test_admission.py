@@ -29,6 +29,7 @@ from streamrl.producer import (
     LearnerAdmission,
     Producer,
 )
+from streamrl.producer.admission import push_samples
 from tests.support.waiting import wait_for
 
 G = 4  # group size
@@ -377,3 +378,37 @@ def test_admission_table_in_run_config(tmp_path):
     with pytest.raises(ValueError):
         load_toml(p)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(cfg), type=RunConfig) == cfg
+
+
+# ---------------------------------------------------------------------------- synchronous
+
+
+def test_a_synchronous_learner_gets_its_next_batch_only_once_this_one_is_trained(r, run_name):
+    """At ``max_staleness = 0`` the batch being trained stays in flight: a push made while the
+    learner trains would be sampled by the version being replaced and dropped as stale. A part-
+    filled batch is topped up a prompt at a time, as ``push_samples`` pushes."""
+    keys, batch = Keys(run_name), 2 * G
+    learner = {"batch_groups": 2, "max_staleness": 0}
+    assert push_samples(learner, G, 256) == G
+    assert push_samples({"batch_groups": 2, "max_staleness": 1}, G, 256) == batch
+    Producer(r, run_name).from_env(make_env("counter"), 3, G)  # 3 groups pushed
+    adm = LearnerAdmission(r, run_name, G)
+
+    def report(**fields) -> Hold | None:
+        r.hset(keys.learner, mapping={"max_in_flight": batch, "max_staleness": 0, **fields})
+        return adm.hold(G, adm.gate(), None, time.time())
+
+    # one group dropped (zero variance), one accepted, one still on its way: full window
+    hold = report(samples_consumed=2 * G, groups_consumed=2, waiting_groups=1,
+                  dropped_zero_variance=1)  # fmt: skip
+    assert hold is not None and hold.reason == WINDOW_FULL
+    # the third group arrives: the batch is full and being trained, nothing on its way
+    hold = report(samples_consumed=3 * G, groups_consumed=3, waiting_groups=2)
+    assert adm.gate().pipeline == 0
+    assert hold is not None and hold.reason == WINDOW_FULL
+    # trained, and its version published: the next batch may go
+    assert report(groups_applied=2, waiting_groups=0) is None
+    # a learner that is not synchronous lets the next batch go while it trains
+    r.hset(keys.learner, mapping={"max_staleness": 1, "max_in_flight": 2 * batch})
+    r.hset(keys.learner, mapping={"groups_applied": 0, "waiting_groups": 2})
+    assert adm.hold(batch, adm.gate(), None, time.time()) is None
