@@ -143,7 +143,8 @@ def _train(backend: str, args, base: Path, cfg: Path, run: str, env: dict, srl: 
     server_start_s = 0.0
     if backend == "vllm":
         print("starting the vLLM server ...", file=sys.stderr)
-        server = VLLMServer(MODEL, log_path=logs / "vllm.log", cpus=args.vllm_cpus)
+        server = VLLMServer(MODEL, log_path=logs / "vllm.log", cpus=args.vllm_cpus,
+                            dtype=args.vllm_dtype)  # fmt: skip
         server.start().wait_ready()
         server_start_s = time.monotonic() - launched
         print(f"  vLLM ready in {server_start_s:.0f} s", file=sys.stderr)
@@ -276,6 +277,8 @@ def main(
                     help="rollout workers sample: hf in process, vllm via a server")  # fmt: skip
     ap.add_argument("--vllm-cpus", default="",
                     help="the CPUs vLLM's threads are bound to (e.g. 1; default: all)")  # fmt: skip
+    ap.add_argument("--vllm-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="vLLM's serving dtype (the learner stays float32)")  # fmt: skip
     args = ap.parse_args()
 
     started = time.monotonic()
@@ -325,6 +328,8 @@ def main(
         suffix = "" if len(backends) == 1 and backend == "hf" else f"_{backend}"
         if backend == "vllm" and args.vllm_cpus:
             suffix += f"-cpus{args.vllm_cpus}"
+        if backend == "vllm" and args.vllm_dtype != "float32":
+            suffix += f"-{args.vllm_dtype}"
         png = args.out / f"{name}{suffix}.png"
         _plot(trained["curve"], points, png, f"{title}, {backend}")
         before, after = points[0], points[-1]
@@ -336,6 +341,7 @@ def main(
             "backend": backend,
             "server_start_seconds": trained["server_start_seconds"],
             "vllm_cpus": (args.vllm_cpus or "all") if backend == "vllm" else None,
+            "vllm_dtype": args.vllm_dtype if backend == "vllm" else None,
             "train_seconds": trained["train_seconds"],
             "learner_step": int(learner.get("step", 0)),
             "groups_consumed": int(learner.get("groups_consumed", 0)),

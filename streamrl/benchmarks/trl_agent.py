@@ -20,6 +20,9 @@ What is matched, and how (``streamrl bench vs-trl --task lookup`` runs it):
   turns (``max_tool_calling_iterations = 2``) of at most 36 sampled tokens each
   (``generation_kwargs``); TRL's budget for the whole multi-turn completion
   (``max_completion_length``) is 3 x 36 plus the two tool answers' tokens.
+- **Precision.** float32; with ``--bf16`` (``bench vs-trl`` passes it when streamrl's config
+  sets ``learner.autocast = "bfloat16"``) accelerate's bfloat16 autocast over float32 weights,
+  which covers TRL's generation too, as streamrl's ``policy.options.dtype = "bfloat16"`` does.
 - **Loss and optimizer.** ``dapo``, group-scaled rewards, epsilon 0.2 / 0.28, beta 0; the
   learner's own AdamW and schedule (``make_optimizer``, ``lr_at``: 3 warm-up steps at lr/3,
   2lr/3, then lr), gradient norm clipped at 1.
@@ -162,6 +165,7 @@ def main() -> None:
     ap.add_argument("--stop-window", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bf16", action="store_true", help="bfloat16 autocast (learner.autocast)")
     ap.add_argument("--max-turns", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=36)
     ap.add_argument("--temperature", type=float, default=0.7)
@@ -256,7 +260,7 @@ def main() -> None:
         logging_steps=1,
         report_to=[],
         use_cpu=True,
-        bf16=False,
+        bf16=args.bf16,  # accelerate's autocast: training forward and generation alike
         save_strategy="no",
         seed=args.seed,
         disable_tqdm=True,

@@ -34,6 +34,7 @@ from pathlib import Path
 import redis
 
 from streamrl.bus.keys import Keys
+from streamrl.config import load_toml
 from streamrl.local.procs import stop_all
 
 RUN = "smollm2-lookup"
@@ -62,7 +63,9 @@ def _scratch(config: Path, model: Path) -> tuple[Path, Path]:
     return work, cfg
 
 
-def streamrl_side(config: Path, model: Path, seconds: float, stop_reward: float) -> dict:
+def streamrl_side(
+    config: Path, model: Path, seconds: float, stop_reward: float, rollout_workers: int = 1
+) -> dict:
     """The pipeline, each role its own process; the policy versions and when each appeared."""
     work, cfg = _scratch(config, model)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -88,7 +91,8 @@ def streamrl_side(config: Path, model: Path, seconds: float, stop_reward: float)
             time.sleep(0.05)
         url = url_file.read_text().strip()
         env["RQ_REDIS_URL"] = url
-        start("rollout", _cli("worker", "rollout"))
+        for i in range(rollout_workers):
+            start(f"rollout{i or ''}", _cli("worker", "rollout"))
         start("verify", _cli("worker", "verify"))
         start("learn", _cli("learn", "--config", str(cfg)))
         start("produce", _cli("produce", "--config", str(cfg), "--count", "1500"))
@@ -128,7 +132,8 @@ def trl_side(
     launch if it has not stopped itself (it can only stop between steps); the snapshots it
     saved by then."""
     work, cfg = _scratch(config, model)
-    argv = [sys.executable, "-m", "streamrl.benchmarks.trl_agent",
+    bf16 = ["--bf16"] if load_toml(cfg).learner.get("autocast", "off") == "bfloat16" else []
+    argv = [sys.executable, "-m", "streamrl.benchmarks.trl_agent", *bf16,
             "--model", str(work / "models" / model.name), "--snapshots", str(work / "snaps"),
             "--lr", str(lr), "--seconds", str(seconds), "--stop-reward", str(stop_reward),
             "--snapshot-every", str(every), "--threads", str(threads)]  # fmt: skip
@@ -200,6 +205,7 @@ def vs_trl_agent(
     eval_k: int = 4,
     snapshot_every: float = 60.0,
     together: bool = False,
+    rollout_workers: int = 1,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     say = progress or (lambda m: None)
@@ -210,11 +216,12 @@ def vs_trl_agent(
     trl_cap = trl_seconds or seconds
     out: dict = {"task": "lookup", "target": target, "trl_lr": trl_lr, "seconds": seconds,
                  "trl_seconds": trl_cap, "eval": {"prompts": eval_prompts, "k": eval_k},
+                 "config": str(cfg), "rollout_workers": rollout_workers,
                  "runs": []}  # fmt: skip
 
     def launch(name: str) -> dict:
         if name == "streamrl":
-            side = streamrl_side(cfg, mdl, seconds, stop_reward)
+            side = streamrl_side(cfg, mdl, seconds, stop_reward, rollout_workers)
         else:
             side = trl_side(mdl, cfg, trl_lr, trl_cap, stop_reward, snapshot_every)
         say(f"  {name}: stopped after {side['stopped_after']} s, "
