@@ -295,51 +295,62 @@ def session_size_bench(
     tool_tokens: int = 200,
     redis_url: str | None = None,
 ) -> dict:
-    """Bytes of one realistic session (``realistic_session``) at each checkpoint, in the plain
-    msgpack form (``schema.encode``, streamrl before 2026-11-25: every checkpoint rewrites the
-    session) and the packed form (``session_codec.SESSION``: every checkpoint appends a frame with
-    what its turn added; ``frame_bytes`` is what it sends): the value's length, and ``MEMORY USAGE``
-    of the key in a Redis (a private one unless ``redis_url``) holding the value as the COMMIT
-    script leaves it. Row 0 is the session before any turn, as one frame (what an environment
-    that keeps server sessions checkpoints first). ``open_session_bytes_max`` is the largest
-    value (after the last committed turn); ``checkpoint_bytes_max`` the most one checkpoint of a
+    """Bytes of one realistic session (``realistic_session``) at each checkpoint, in three
+    forms: ``plain`` msgpack (``schema.encode``, streamrl before 2026-11-25: every checkpoint
+    rewrites the session), ``packed`` (``session_codec.SESSION``: every checkpoint appends a
+    frame with what its turn added) and ``tokens`` (the same with the model's tokenizer, as an
+    ``hf`` rollout worker writes it: text rebuilt from token ids is not stored twice). For each:
+    the value's length, what a checkpoint sends (``frame_bytes``) and ``MEMORY USAGE`` of the key
+    in a Redis (a private one unless ``redis_url``) holding the value as the COMMIT script
+    leaves it. Row 0 is the session before any turn, as one frame (what an environment that
+    keeps server sessions checkpoints first). ``open_session_bytes_max`` is the largest value
+    (after the last committed turn); ``checkpoint_bytes_max`` the most one checkpoint of a
     completed turn writes (the first one carries the prompt too), ``turn_delta_bytes_max`` the
     most one adds to ``MEMORY USAGE``."""
     import tempfile
 
+    from transformers import AutoTokenizer
+
     from streamrl import schema, session_codec
     from streamrl.local.embedded import EmbeddedRedis
+    from streamrl.policy.token_text import TokenizerText
 
     sessions = realistic_session(model_dir, prompt_tokens, turns, generated_tokens, tool_tokens)
-    plain_key, packed_key = "srl:{session-size}:plain", "srl:{session-size}:packed"
+    codecs = {
+        "packed": session_codec.SESSION,
+        "tokens": session_codec.SessionCodec(
+            TokenizerText(AutoTokenizer.from_pretrained(str(model_dir)))
+        ),
+    }
     with tempfile.TemporaryDirectory(prefix="streamrl-session-size-") as tmp:
         server = None if redis_url else EmbeddedRedis(tmp).start()
         r = redis.Redis.from_url(redis_url or server.url)  # type: ignore[union-attr]
         try:
-            rows, value, mark = [], b"", None
+            rows: list[dict] = []
+            values = dict.fromkeys(codecs, b"")
+            marks: dict = dict.fromkeys(codecs)
             for i, s in enumerate(sessions):
                 plain = schema.encode(s)
-                frame, mark = session_codec.SESSION.frame(s, mark if i > 1 else None)
-                value = frame if i <= 1 else value + frame  # row 1: the first checkpoint
-                assert session_codec.SESSION.decode(value) == s
-                r.set(plain_key, plain, ex=600)
-                r.set(packed_key, value, ex=600)  # as COMMIT writes it: SET of the whole
-                rows.append(
-                    {
-                        "turns": i,
-                        "plain_bytes": len(plain),
-                        "packed_bytes": len(value),
-                        "frame_bytes": len(frame),
-                        "redis_plain_bytes": r.memory_usage(plain_key, samples=0),
-                        "redis_packed_bytes": r.memory_usage(packed_key, samples=0),
-                    }
-                )
-            r.delete(plain_key, packed_key)
+                r.set("srl:{session-size}:plain", plain, ex=600)
+                row = {"turns": i, "plain_bytes": len(plain), "plain_frame_bytes": len(plain)}
+                row["redis_plain_bytes"] = r.memory_usage("srl:{session-size}:plain", samples=0)
+                for form, codec in codecs.items():
+                    frame, marks[form] = codec.frame(s, marks[form] if i > 1 else None)
+                    values[form] = frame if i <= 1 else values[form] + frame  # 1: first checkpoint
+                    assert codec.decode(values[form]) == s
+                    key = f"srl:{{session-size}}:{form}"
+                    r.set(key, values[form], ex=600)  # as COMMIT writes it: SET of the whole
+                    row[f"{form}_bytes"] = len(values[form])
+                    row[f"{form}_frame_bytes"] = len(frame)
+                    row[f"redis_{form}_bytes"] = r.memory_usage(key, samples=0)
+                rows.append(row)
+            r.delete(*(f"srl:{{session-size}}:{f}" for f in ["plain", *codecs]))
         finally:
             r.close()
             if server is not None:
                 server.stop()
     committed = rows[1:]
+    forms = ["plain", *codecs]
 
     def growth(key: str) -> int:
         return max(b[key] - a[key] for a, b in itertools.pairwise(rows))
@@ -351,20 +362,10 @@ def session_size_bench(
         "generated_tokens_per_turn": generated_tokens,
         "tool_tokens_per_turn": tool_tokens,
         "checkpoints": rows,
-        "open_session_bytes_max": {
-            "plain": max(c["redis_plain_bytes"] for c in committed),
-            "packed": max(c["redis_packed_bytes"] for c in committed),
-        },
+        "open_session_bytes_max": {f: max(c[f"redis_{f}_bytes"] for c in committed) for f in forms},
         "open_session_bytes_mean": {
-            "plain": round(sum(c["redis_plain_bytes"] for c in committed) / len(committed)),
-            "packed": round(sum(c["redis_packed_bytes"] for c in committed) / len(committed)),
+            f: round(sum(c[f"redis_{f}_bytes"] for c in committed) / len(committed)) for f in forms
         },
-        "checkpoint_bytes_max": {
-            "plain": max(c["plain_bytes"] for c in committed),
-            "packed": max(c["frame_bytes"] for c in committed),
-        },
-        "turn_delta_bytes_max": {
-            "plain": growth("redis_plain_bytes"),
-            "packed": growth("redis_packed_bytes"),
-        },
+        "checkpoint_bytes_max": {f: max(c[f"{f}_frame_bytes"] for c in committed) for f in forms},
+        "turn_delta_bytes_max": {f: growth(f"redis_{f}_bytes") for f in forms},
     }

@@ -116,7 +116,7 @@ def bench_session_size(
     model_dir, prompt_tokens, turns, generated_tokens, tool_tokens, as_json
 ) -> None:
     """Redis bytes of one realistic episode's session at each checkpoint, plain msgpack
-    against the packed form rollout workers write."""
+    against the packed form rollout workers write, without and with the model's tokenizer."""
     from streamrl.benchmarks.sessions import session_size_bench
 
     res = session_size_bench(model_dir, prompt_tokens, turns, generated_tokens, tool_tokens)

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from streamrl.schema import FunctionTool, Item, ModelTurn, Task
+from streamrl.session_codec import SessionTokens
 
 
 class PolicyRequest(msgspec.Struct, kw_only=True):
@@ -56,6 +57,11 @@ class Policy(ABC):
         """This worker's requests on the server now, and those waiting for one of its slots
         (``max_inflight_per_server``); reported in policy health."""
         return 0, 0
+
+    def session_tokens(self) -> SessionTokens | None:
+        """The tokenizer this policy samples with, for the session codec (text it can rebuild
+        from a turn's token ids is not checkpointed twice); None: sessions keep all text."""
+        return None
 
     @abstractmethod
     async def respond(self, request: PolicyRequest) -> ModelTurn: ...

@@ -50,6 +50,7 @@ from streamrl.defaults import ROLLOUT_GROUP, ROLLOUT_QUEUE
 from streamrl.envs import EnvUnavailable
 from streamrl.envs.external import abandon
 from streamrl.policy import PolicyError, make_policy
+from streamrl.policy.base import Policy
 from streamrl.policy.endpoint import Endpoints
 from streamrl.workers import leases
 from streamrl.workers.batcher import Batcher
@@ -100,15 +101,25 @@ class _RolloutLease:
         self.commits: Batcher = Batcher(self._flush_commits)
         # per held entry: how much of its session the value in Redis holds (appends go after)
         self.marks: dict[str, session_codec.SessionMark] = {}
+        self._codec: session_codec.SessionCodec | None = None
         self.finishes: Batcher = Batcher(self._flush_finishes)
         self.cursor = "0-0"
         self.watch = PolicyWatch(r, self.keys, consumer, wake=self.slot)
         self.endpoints: Endpoints | None = None  # the policy served over HTTP (mode=run)
 
+    def codec(self) -> session_codec.SessionCodec:
+        """Sessions packed with the policy's tokenizer, when it has one (``session_codec``)."""
+        if self._codec is None:
+            policy: Policy | None = getattr(self, "policy", None)
+            if policy is None:  # no policy yet: nothing to lean on (a lease built by hand)
+                return session_codec.SESSION
+            self._codec = session_codec.SessionCodec(policy.session_tokens())
+        return self._codec
+
     # ---------------------------------------------------------------- Redis calls (batched)
     async def _flush_commits(self, items: list[tuple[Entry, schema.Session]]) -> list[int]:
         """Checkpoint sessions: each appends a frame with what changed since its last
-        checkpoint (``session_codec.SESSION``); one whose value in Redis is not the one this worker
+        checkpoint (``session_codec``); one whose value in Redis is not the one this worker
         appends to (it expired) is written whole."""
         res = await self._commit([(e, s, self.marks.get(e.id)) for e, s in items])
         again = [i for i, r in enumerate(res) if r == 2]
@@ -125,7 +136,7 @@ class _RolloutLease:
         args: list[Any] = [ROLLOUT_GROUP, self.consumer, self.config.rollout.session_ttl_s]
         marks = []
         for e, s, mark in items:
-            frame, after = session_codec.SESSION.frame(s, mark)
+            frame, after = self.codec().frame(s, mark)
             args += [e.id, e.fence, frame]
             marks.append(after)
         res = list(await self.scripts.commit(keys=keys, args=args))
@@ -234,7 +245,7 @@ class _RolloutLease:
         if not entry.session:
             return None
         try:
-            session, mark = session_codec.SESSION.decode_marked(entry.session)
+            session, mark = self.codec().decode_marked(entry.session)
         except msgspec.DecodeError as e:
             log.warning("unreadable session, restarting episode", error=str(e))
             return None

@@ -263,10 +263,10 @@ def test_packing_covers_every_field_of_a_session_and_a_turn():
     checkpoints would drop it silently."""
     assert {f.name for f in msgspec.structs.fields(schema.ModelTurn)} == {
         f.name for f in msgspec.structs.fields(session_codec._PackedTurn)
-    } - {"start", "end", "prompt_keep", "prompt_tail"} | {"prompt_token_ids"}
+    } - {"start", "end", "prompt_keep", "prompt_tail", "prompt_text"} | {"prompt_token_ids"}
     assert {f.name for f in msgspec.structs.fields(schema.Session)} == {
         f.name for f in msgspec.structs.fields(session_codec._Frame)
-    } - {"items_from", "turns_from"}
+    } - {"items_from", "turns_from", "tokenizer", "refs"}
 
 
 def _head(fmt: int, offset: int, size: int) -> bytes:

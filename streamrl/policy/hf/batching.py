@@ -27,6 +27,7 @@ from streamrl.policy import _chat
 from streamrl.policy.base import Policy, PolicyError, PolicyRequest
 from streamrl.policy.hf.decode import Decoder, Sampler, uniforms
 from streamrl.policy.hf.weights import ServedWeights, VersionWatch
+from streamrl.policy.token_text import TokenizerText
 from streamrl.schema import ModelTurn, PolicyVersion
 
 _RENDER_CACHE_SIZE = 4096
@@ -115,6 +116,7 @@ class HFPolicy(Policy):
         self.batch_sizes: list[int] = []
         self._render_cache: dict[bytes, list[int]] = {}
         self.full_renders = 0  # later turns that could not continue the previous turn's tokens
+        self._session_tokens: TokenizerText | None = None
 
     @property
     def model(self) -> Any:
@@ -128,6 +130,11 @@ class HFPolicy(Policy):
     @property
     def reload_error(self) -> str | None:
         return self._watch.error
+
+    def session_tokens(self) -> TokenizerText:
+        if self._session_tokens is None:
+            self._session_tokens = TokenizerText(self.tokenizer)
+        return self._session_tokens
 
     # ------------------------------------------------------------------ public API
 
