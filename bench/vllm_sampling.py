@@ -4,6 +4,7 @@
 
     python bench/vllm_sampling.py [--prompts 64] [--new-tokens 64] [--cpus 0-1]
         [--dtype float32|bfloat16] [--engines vllm,hf,generate,llama.cpp] [--json]
+        [--device cpu|cuda] [--model DIR]
 
 Each engine gets every prompt at once (the ``hf`` backend batches up to ``max_batch`` = 64,
 vLLM batches in its scheduler, ``generate`` takes one padded batch), temperature 1, and must
@@ -15,6 +16,10 @@ the whole batch, after one warm-up request each. vLLM is
 started by ``streamrl.local.vllm`` (the cached venv, float32, ``--enforce-eager``) with its
 threads on ``--cpus`` and stopped by PID at the end; its start-up time is reported, not counted.
 Runs on the same machine one after another: on a shared machine, compare figures of one run.
+``--device cuda`` runs the ``hf`` backend and ``generate`` on a GPU (vLLM and llama.cpp stay
+as they are: this script starts the CPU build); ``--model`` takes another model directory
+(a GPU machine without SmolLM2's weights can use random ones of its shape: the speed is the
+same, and every row samples its whole ``--new-tokens``).
 """
 
 from __future__ import annotations
@@ -71,12 +76,12 @@ def bench_vllm(model, texts, new_tokens, cpus, dtype) -> dict:
             "tokens_per_s": round(tokens / seconds, 1), "start_s": round(start_s, 1)}  # fmt: skip
 
 
-def bench_hf(model, texts, new_tokens, dtype) -> dict:
+def bench_hf(model, texts, new_tokens, dtype, device="cpu") -> dict:
     from streamrl.policy.hf import HFPolicy
 
     config = PolicyConfig(backend="hf", model=str(model), temperature=1.0,
                           max_new_tokens=new_tokens,
-                          options={"device": "cpu", "dtype": dtype, "ignore_eos": True,
+                          options={"device": device, "dtype": dtype, "ignore_eos": True,
                                    "max_batch": len(texts)})  # fmt: skip
     policy = HFPolicy(config, None)
     tokens, seconds = asyncio.run(_all(policy, requests(texts)))
@@ -84,24 +89,33 @@ def bench_hf(model, texts, new_tokens, dtype) -> dict:
             "tokens_per_s": round(tokens / seconds, 1)}  # fmt: skip
 
 
-def bench_generate(model, texts, new_tokens, dtype) -> dict:
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def bench_generate(model, texts, new_tokens, dtype, device="cpu") -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model), padding_side="left")
-    lm = AutoModelForCausalLM.from_pretrained(str(model), dtype=getattr(torch, dtype)).eval()
+    lm = AutoModelForCausalLM.from_pretrained(str(model), dtype=getattr(torch, dtype))
+    lm = lm.to(device).eval()
     rendered = [
         tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                 tokenize=False)
         for t in texts
     ]  # fmt: skip
-    batch = tok(rendered, return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = tok(rendered, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
               min_new_tokens=new_tokens, pad_token_id=pad)  # fmt: skip
     with torch.no_grad():
-        lm.generate(**tok(rendered[:1], return_tensors="pt", add_special_tokens=False), **kw)
+        first = tok(rendered[:1], return_tensors="pt", add_special_tokens=False).to(device)
+        lm.generate(**first, **kw)
+        _sync(device)
         t = time.perf_counter()
         out = lm.generate(**batch, **kw)
+        _sync(device)
         seconds = time.perf_counter() - t
     tokens = int(out.shape[0] * (out.shape[1] - batch["input_ids"].shape[1]))
     return {"engine": "transformers generate", "tokens": tokens, "seconds": round(seconds, 2),
@@ -157,24 +171,27 @@ def main() -> None:
     ap.add_argument("--engines", default="vllm,hf,generate,llama.cpp",
                     help="which to run, comma-separated")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="one JSON object, no table")
+    ap.add_argument("--device", default="cpu", help="the hf backend's and generate's device")
+    ap.add_argument("--model", default="", help="a model directory (default: SmolLM2's)")
     args = ap.parse_args()
     engines = args.engines.split(",")
     unknown = set(engines) - {"vllm", "hf", "generate", "llama.cpp"}
     if unknown:
         ap.error(f"unknown engines {sorted(unknown)}: choose from vllm, hf, generate, llama.cpp")
-    model = cached_smollm2()
+    model = args.model or cached_smollm2()
     texts = prompts(args.prompts)
     runs = {
         "vllm": lambda: bench_vllm(model, texts, args.new_tokens, args.cpus, args.dtype),
-        "hf": lambda: bench_hf(model, texts, args.new_tokens, args.dtype),
-        "generate": lambda: bench_generate(model, texts, args.new_tokens, args.dtype),
+        "hf": lambda: bench_hf(model, texts, args.new_tokens, args.dtype, args.device),
+        "generate": lambda: bench_generate(model, texts, args.new_tokens, args.dtype, args.device),
         "llama.cpp": lambda: bench_llamacpp(texts, args.new_tokens),
     }
     rows = [runs[e]() for e in engines]
     rates = {r["engine"]: r.get("tokens_per_s") for r in rows}
     hf, gen = rates.get("hf backend"), rates.get("transformers generate")
     result = {"model": f"SmolLM2-135M-Instruct {args.dtype}", "prompts": args.prompts,
-              "new_tokens": args.new_tokens, "cpu_count": os.cpu_count(),
+              "new_tokens": args.new_tokens, "cpu_count": os.cpu_count(), "device": args.device,
+              "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
               "load_avg_1m": round(os.getloadavg()[0], 1), "rows": rows,
               "hf_over_generate": round(hf / gen, 2) if hf and gen else None}  # fmt: skip
     if not args.json:
