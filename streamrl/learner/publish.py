@@ -32,11 +32,10 @@ from streamrl import schema
 from streamrl.bus.keys import Keys
 from streamrl.learner._failpoints import failpoint
 from streamrl.learner.checkpoint import fsync_path, write_failure
-from streamrl.models.tied_head import write_explicit_head
+from streamrl.models.tied_head import WEIGHTS_FILE, write_explicit_head
 from streamrl.policy.integrity import digest_dir
 
 _TMP_PREFIX = ".tmp-"
-_WEIGHTS = "model.safetensors"
 log = structlog.get_logger("streamrl.learner")
 
 
@@ -108,7 +107,7 @@ def _save_full(model: Any, directory: Path) -> None:
         t = t.detach().cpu()
         tensors[name] = t.clone() if key in seen else t.contiguous()
         seen.add(key)
-    save_file(tensors, str(directory / _WEIGHTS), metadata={"format": "pt"})
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
 
 
 def _last_announced(r: redis.Redis, keys: Keys) -> int:

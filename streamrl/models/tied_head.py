@@ -16,7 +16,7 @@ import json
 import os
 from pathlib import Path
 
-_WEIGHTS = "model.safetensors"
+WEIGHTS_FILE = "model.safetensors"  # a whole model's one weights file (save_pretrained's name)
 _EMBED = "model.embed_tokens.weight"
 _HEAD = "lm_head.weight"
 
@@ -35,7 +35,7 @@ def write_explicit_head(directory: str | Path) -> bool:
     from safetensors.torch import save_file
 
     directory = Path(directory)
-    weights = directory / _WEIGHTS
+    weights = directory / WEIGHTS_FILE
     if not weights.is_file() or not ties_head(directory):
         return False
     with safe_open(str(weights), framework="pt", device="cpu") as f:
@@ -45,7 +45,7 @@ def write_explicit_head(directory: str | Path) -> bool:
         tensors = {name: f.get_tensor(name) for name in names}
         metadata = f.metadata() or {}
     tensors[_HEAD] = tensors[_EMBED].clone()
-    tmp = weights.with_name(f".{_WEIGHTS}.{os.getpid()}.tmp")
+    tmp = weights.with_name(f".{WEIGHTS_FILE}.{os.getpid()}.tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt", **metadata})
     tmp.replace(weights)
     return True
