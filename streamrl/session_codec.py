@@ -15,8 +15,9 @@ rewrites all of it. The packed form:
   keeps and the tokens that follow (the tool outputs and the chat template's glue);
 - a checkpoint appends one *frame* with what changed since the last one (new items, new
   turns, the environment state and counters as they are now), zlib-compressed from 1 KB,
-  with the earlier frames' payloads as zlib's dictionary: a tool's output in one frame and
-  the same text in the next turn's prompt cost its bytes once;
+  with the task's payload (which Redis holds anyway: the prompt) and the earlier frames'
+  payloads as zlib's dictionary: the prompt's text, and a tool's output in one frame and the
+  same text in the next turn's prompt, cost their bytes once; a reader gives the same task;
 - given the worker's tokenizer (``SessionCodec(tokens)``, the ``hf`` backend's), text it can
   rebuild from ids it keeps anyway is not stored twice: a model turn's items that are
   slices of its decoded tokens are kept as (start, end) in them, and a prompt's tail
@@ -280,24 +281,24 @@ def _refs(
 
 
 def _compress(body: bytes, history: bytes) -> tuple[int, bytes]:
-    """The frame's format and payload: zlib with the earlier payloads as its dictionary when
-    there are any, plain zlib from ``_COMPRESS_FROM`` bytes, else as it is (whichever is
-    smaller)."""
+    """The frame's format and payload: from ``_COMPRESS_FROM`` bytes zlib, with the task and
+    the earlier payloads as its dictionary when there are any; else as it is (also when that
+    is smaller)."""
+    if len(body) < _COMPRESS_FROM:
+        return _FRAME_RAW, body
     if history:
         c = zlib.compressobj(6, zdict=history)
         packed, fmt = c.compress(body) + c.flush(), _FRAME_ZDICT
-    elif len(body) >= _COMPRESS_FROM:
-        packed, fmt = zlib.compress(body, 6), _FRAME_ZLIB
     else:
-        return _FRAME_RAW, body
+        packed, fmt = zlib.compress(body, 6), _FRAME_ZLIB
     return (fmt, packed) if len(packed) < len(body) else (_FRAME_RAW, body)
 
 
-def _frames(blob: bytes) -> Iterator[tuple[_Frame, bytes]]:
+def _frames(blob: bytes, task: bytes = b"") -> Iterator[tuple[_Frame, bytes]]:
     """The frames of a packed session's value, in order, each with the dictionary the next
     one would be compressed with (``ValueError`` and zlib's errors for a value that is not
-    one)."""
-    at, history = 0, b""
+    one). ``task``: the dictionary the first frame was compressed with."""
+    at, history = 0, task[-_WINDOW:]
     while at < len(blob):
         head = blob[at : at + _FRAME_HEAD]
         if len(head) < _FRAME_HEAD or head[0] != _FRAME:
@@ -309,8 +310,10 @@ def _frames(blob: bytes) -> Iterator[tuple[_Frame, bytes]]:
         if head[1] == _FRAME_ZLIB:
             body = zlib.decompress(body)
         elif head[1] == _FRAME_ZDICT:
-            if not history:  # it was compressed against frames this value does not hold
-                raise ValueError("a checkpoint of this session is missing before the first")
+            if not history:  # compressed against a task or frames this reader does not have
+                raise ValueError(
+                    "a checkpoint of this session is missing before the first, or its task"
+                )
             d = zlib.decompressobj(zdict=history)
             body = d.decompress(body) + d.flush()
             if not d.eof or d.unused_data:
@@ -331,17 +334,21 @@ class SessionCodec:
     def __init__(self, tokens: SessionTokens | None = None) -> None:
         self.tokens = tokens
 
-    def encode(self, s: Session) -> bytes:
-        return self.frame(s, None)[0]
+    def encode(self, s: Session, task: bytes = b"") -> bytes:
+        return self.frame(s, None, task)[0]
 
-    def frame(self, s: Session, mark: SessionMark | None) -> tuple[bytes, SessionMark]:
+    def frame(
+        self, s: Session, mark: SessionMark | None, task: bytes = b""
+    ) -> tuple[bytes, SessionMark]:
         """The frame that brings a session's value from ``mark`` (None: nothing, a new value)
         to ``s``, and the mark after it. Items and turns are only ever appended. A value
         under ``_APPEND_FROM`` bytes is rewritten whole instead: one SET, and the best
-        compression, for what costs little to send again."""
+        compression, for what costs little to send again. ``task``: the task's payload as
+        Redis holds it, the first frame's dictionary (its prompt is then not stored again);
+        a reader must give the same bytes."""
         if mark is None or mark.length < _APPEND_FROM:
             mark = None
-        offset, n_items, n_turns, history = mark if mark is not None else (0, 0, 0, b"")
+        offset, n_items, n_turns, history = mark if mark is not None else (0, 0, 0, task[-_WINDOW:])
         items = s.items[n_items:]
         turns, refs, cursor = [], [], 0
         if n_turns:
@@ -375,29 +382,29 @@ class SessionCodec:
         after = (history + body)[-_WINDOW:]
         return data, SessionMark(offset + len(data), len(s.items), len(s.turns), after)
 
-    def decode(self, blob: bytes) -> Session:
-        return self.decode_marked(blob)[0]
+    def decode(self, blob: bytes, task: bytes = b"") -> Session:
+        return self.decode_marked(blob, task)[0]
 
-    def state(self, blob: bytes) -> bytes:
+    def state(self, blob: bytes, task: bytes = b"") -> bytes:
         """The environment state a session's value holds: readable without its tokenizer."""
         if blob[:1] != bytes([_FRAME]):
             return PLAIN_SESSION.decode(blob).state
         try:
-            *_, (last, _) = _frames(blob)
+            *_, (last, _) = _frames(blob, task)
         except (zlib.error, ValueError, TypeError, OverflowError, struct.error) as e:
             raise msgspec.DecodeError(f"unreadable packed session: {e}") from e
         return last.state
 
-    def decode_marked(self, blob: bytes) -> tuple[Session, SessionMark | None]:
+    def decode_marked(self, blob: bytes, task: bytes = b"") -> tuple[Session, SessionMark | None]:
         """The session and its mark (None for the plain form: the next checkpoint rewrites
-        the whole value)."""
+        the whole value). ``task``: the bytes the session was written against (``frame``)."""
         if blob[:1] != bytes([_FRAME]):
             return PLAIN_SESSION.decode(blob), None
         items: list[Item] = []
         turns: list[ModelTurn] = []
         last, history = None, b""
         try:
-            for f, seen in _frames(blob):
+            for f, seen in _frames(blob, task):
                 if f.items_from != len(items) or f.turns_from != len(turns):
                     raise ValueError("a checkpoint of this session is missing")
                 tokens = self._tokens_for(f)

@@ -299,7 +299,8 @@ def session_size_bench(
     forms: ``plain`` msgpack (``schema.encode``, streamrl before 2026-11-25: every checkpoint
     rewrites the session), ``packed`` (``session_codec.SESSION``: every checkpoint appends a
     frame with what its turn added) and ``tokens`` (the same with the model's tokenizer, as an
-    ``hf`` rollout worker writes it: text rebuilt from token ids is not stored twice). For each:
+    ``hf`` rollout worker writes it: text rebuilt from token ids is not stored twice); both
+    packed forms are written against the task's payload, as workers write them. For each:
     the value's length, what a checkpoint sends (``frame_bytes``) and ``MEMORY USAGE`` of the key
     in a Redis (a private one unless ``redis_url``) holding the value as the COMMIT script
     leaves it. Row 0 is the session before any turn, as one frame (what an environment that
@@ -307,6 +308,7 @@ def session_size_bench(
     (after the last committed turn); ``checkpoint_bytes_max`` the most one checkpoint of a
     completed turn writes (the first one carries the prompt too), ``turn_delta_bytes_max`` the
     most one adds to ``MEMORY USAGE``."""
+    import struct
     import tempfile
 
     from transformers import AutoTokenizer
@@ -316,6 +318,11 @@ def session_size_bench(
     from streamrl.policy.token_text import TokenizerText
 
     sessions = realistic_session(model_dir, prompt_tokens, turns, generated_tokens, tool_tokens)
+    # the task as the tasks stream holds it: its payload is the first frame's dictionary
+    task = schema.encode(
+        schema.Task(task_id=sessions[0].task_id, prompt_id="p0", k=0, group_size=8,
+                    env="lookup", input=sessions[0].items[:2])
+    )  # fmt: skip
     codecs = {
         "packed": session_codec.SESSION,
         "tokens": session_codec.SessionCodec(
@@ -335,9 +342,10 @@ def session_size_bench(
                 row = {"turns": i, "plain_bytes": len(plain), "plain_frame_bytes": len(plain)}
                 row["redis_plain_bytes"] = r.memory_usage("srl:{session-size}:plain", samples=0)
                 for form, codec in codecs.items():
-                    frame, marks[form] = codec.frame(s, marks[form] if i > 1 else None)
-                    values[form] = frame if i <= 1 else values[form] + frame  # 1: first checkpoint
-                    assert codec.decode(values[form]) == s
+                    frame, marks[form] = codec.frame(s, marks[form] if i > 1 else None, task)
+                    whole = struct.unpack("<I", frame[2:6])[0] == 0  # offset 0: COMMIT replaces
+                    values[form] = frame if whole else values[form] + frame
+                    assert codec.decode(values[form], task) == s
                     key = f"srl:{{session-size}}:{form}"
                     r.set(key, values[form], ex=600)  # as COMMIT writes it: SET of the whole
                     row[f"{form}_bytes"] = len(values[form])

@@ -121,7 +121,7 @@ async def abandon(env_for: Callable[[str], Environment], task: bytes, session: b
         decoded = TASK.decode(task)
         env = env_for(decoded.env)
         if isinstance(env, ExternalSessionEnv):
-            await env.aabandon(decoded, env.decode_state(SESSION.state(session)))
+            await env.aabandon(decoded, env.decode_state(SESSION.state(session, task)))
     except Exception as e:  # nothing to close in what cannot be read
         log.warning("could not close a server session", error=repr(e))
 

@@ -136,7 +136,7 @@ class _RolloutLease:
         args: list[Any] = [ROLLOUT_GROUP, self.consumer, self.config.rollout.session_ttl_s]
         marks = []
         for e, s, mark in items:
-            frame, after = self.codec().frame(s, mark)
+            frame, after = self.codec().frame(s, mark, e.payload)
             args += [e.id, e.fence, frame]
             marks.append(after)
         res = list(await self.scripts.commit(keys=keys, args=args))
@@ -245,7 +245,7 @@ class _RolloutLease:
         if not entry.session:
             return None
         try:
-            session, mark = self.codec().decode_marked(entry.session)
+            session, mark = self.codec().decode_marked(entry.session, entry.payload)
         except msgspec.DecodeError as e:
             log.warning("unreadable session, restarting episode", error=str(e))
             return None

@@ -187,8 +187,12 @@ def _export_and_reverify(server_url, redis_url, subprocess_env, tmp_path, scores
 
 
 def _session(p, task_id: str) -> schema.Session | None:
+    """The task's session as its worker checkpointed it (against the task's payload)."""
     raw = p.r.get(p.keys.session(task_id))
-    return session_codec.SESSION.decode(raw) if raw else None
+    if not raw:
+        return None
+    (task,) = [f[b"p"] for _, f in p.r.xrange(p.keys.tasks) if f.get(b"id") == task_id.encode()]
+    return session_codec.SESSION.decode(raw, task)
 
 
 def test_an_episode_resumes_on_another_worker_in_the_same_server_session(

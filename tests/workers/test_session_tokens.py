@@ -116,8 +116,8 @@ def _value(codec: session_codec.SessionCodec, sessions: list[schema.Session]) ->
     return value
 
 
-def _bodies(value: bytes) -> list[session_codec._Frame]:
-    return [f for f, _ in session_codec._frames(value)]
+def _bodies(value: bytes, task: bytes = b"") -> list[session_codec._Frame]:
+    return [f for f, _ in session_codec._frames(value, task)]
 
 
 def test_text_in_token_ids_is_stored_once_and_comes_back_exactly(tok, monkeypatch):
@@ -270,7 +270,7 @@ def test_episodes_resumed_from_tokenizer_packed_checkpoints_reach_the_verifier_e
                     args=claim_args(ROLLOUT_GROUP, "W", 0, 9, "0-0", True, keys.session("")),
                 )
             )
-            seen.extend(f for e in entries for f in _bodies(e.session))
+            seen.extend(f for e in entries for f in _bodies(e.session, e.payload))
         await r.aclose()
         assert lease.counts["finished"] == 2
 
@@ -287,3 +287,26 @@ def test_episodes_resumed_from_tokenizer_packed_checkpoints_reach_the_verifier_e
             assert array("d", t.logprobs).tobytes() == array("d", want.logprobs).tobytes()
             assert t.items == want.items
     sync.close()
+
+
+def test_the_first_frame_is_compressed_against_the_task_and_needs_it(tok):
+    """The task's payload (the prompt, which Redis holds on the tasks stream) is the first
+    frame's dictionary: the session is smaller, and reading it takes those very bytes."""
+    sessions = _episode(tok)
+    s = sessions[-1]
+    task = schema.encode(
+        schema.Task(task_id=s.task_id, prompt_id="p3", k=1, group_size=4, env="lookup",
+                    input=s.items[:2])
+    )  # fmt: skip
+    other = task.replace(b"Find the code of Ada.", b"Find the code of Bob.")
+    assert other != task
+    codec = session_codec.SessionCodec(TokenizerText(tok))
+    value = codec.encode(s, task)
+    assert codec.decode(value, task) == s
+    assert len(value) < len(codec.encode(s)) - 100  # the system and user texts, not again
+    assert value[1] == 5  # zlib with a dictionary from the first frame on
+    with pytest.raises(msgspec.DecodeError, match="or its task"):
+        codec.decode(value)
+    with pytest.raises(msgspec.DecodeError):
+        codec.decode(value, other)
+    assert session_codec.SESSION.state(value, task) == s.state
