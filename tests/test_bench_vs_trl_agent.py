@@ -170,3 +170,29 @@ def test_cli_options():
     assert res.exit_code == 2 and "sudoku" in res.output
     res = runner.invoke(cli, ["bench", "vs-trl", "--task", "lookup", "--model", "no/such/dir"])
     assert res.exit_code == 2 and "python -m streamrl.models.gguf no/such/dir" in res.output
+
+
+def test_step_times_are_read_from_the_learners_json_log(tmp_path):
+    """``trained_at`` (the like-for-like time against TRL's) comes from the learner's ``step``
+    lines as ``streamrl.log`` writes them to a file: only ``step`` events, by their step."""
+    import subprocess
+    import sys
+    import time
+
+    from streamrl.benchmarks.vs_trl_agent import _step_times
+
+    code = (
+        "import structlog; from streamrl import log; log.configure(fmt='json'); "
+        "g = structlog.get_logger(); g.info('step', step=1, loss=0.5); "
+        "g.info('published', step=1, path='p/v1'); g.info('step', step=2, loss=0.25)"
+    )
+    out = tmp_path / "learn.log"
+    before = time.time()
+    with out.open("wb") as f:
+        subprocess.run([sys.executable, "-c", code], stderr=f, check=True)
+    after = time.time()
+    out.write_text("not json\n" + out.read_text())
+    times = _step_times(out)
+    assert sorted(times) == [1, 2]
+    assert before - 1 <= times[1] <= times[2] <= after + 1
+    assert _step_times(tmp_path / "missing.log") == {}

@@ -14,6 +14,12 @@ time cap or once their training reward (mean of the last two steps) reaches ``st
 Then, off the clock, each side's snapshots are evaluated in order with ``streamrl eval`` on
 the same held-out prompts (``split=heldout``: names no training prompt has), the same way for
 both, until one reaches the target; its time since the side's launch is the figure compared.
+
+Two streamrl times for each snapshot: ``at``, when its version's directory appeared (the step,
+then the learner's publish: the weights written and hashed, ~1 s for SmolLM2), and
+``trained_at``, when the learner logged the step that made it (its ``step`` line, written
+before the publish). TRL's time is its step's end with its save off the clock, so
+``trained_at`` is the like-for-like figure (``ratio_trained``); ``ratio`` keeps the publish in.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 
 import redis
@@ -98,11 +105,17 @@ def streamrl_side(
         start("produce", _cli("produce", "--config", str(cfg), "--count", "1500"))
         r = redis.Redis.from_url(url, decode_responses=True)
         key = Keys(RUN).learner
+        next_read = 0.0
         while time.time() - launched < seconds:
-            time.sleep(0.5)
+            # versions looked for every 50 ms (TRL's side records its own save times), the
+            # learner's rewards every 0.5 s
+            time.sleep(0.05)
             for p in policy_dir.glob("v*"):  # a version directory appears whole (renamed)
                 if p.name[1:].isdigit() and int(p.name[1:]) not in seen:
                     seen[int(p.name[1:])] = time.time()
+            if time.time() < next_read:
+                continue
+            next_read = time.time() + 0.5
             h = r.hgetall(key)
             if h.get("reward_mean"):
                 rewards[int(h["step"])] = float(h["reward_mean"])
@@ -112,11 +125,29 @@ def streamrl_side(
         step = int(r.hget(key, "step") or 0)
     finally:
         stop_all(procs)  # a warm rq shutdown would wait out a 600 s lease
-    snaps = [{"version": v, "at": seen[v], "path": str(policy_dir / f"v{v}")}
+    every = int(load_toml(cfg).learner.get("sync_every", 1))
+    trained = _step_times(work / "logs" / "learn.log")
+    snaps = [{"version": v, "at": seen[v], "path": str(policy_dir / f"v{v}"),
+              **({"trained_at": trained[v * every]} if v * every in trained else {})}
              for v in sorted(seen) if v > 0]  # fmt: skip
     return {"launched": launched, "work": str(work), "config": str(cfg), "snapshots": snaps,
             "steps": step, "stopped_after": round(time.time() - launched, 1),
             "rewards": [round(rewards[s], 4) for s in sorted(rewards)]}  # fmt: skip
+
+
+def _step_times(log: Path) -> dict[int, float]:
+    """When the learner logged each step (Unix time): its ``step`` lines in the JSON log."""
+    out: dict[int, float] = {}
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        if '"event": "step"' not in line:
+            continue
+        try:
+            rec = json.loads(line[line.index("{") :])
+            stamp = datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00"))
+            out[int(rec["step"])] = stamp.timestamp()
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
 
 
 def trl_side(
@@ -179,17 +210,19 @@ def held_out(config: str, weights: str, prompts: int, k: int) -> float:
 
 
 def first_reaching(side: dict, target: float, prompts: int, k: int, say) -> dict:
-    """Evaluate the snapshots in order until one reaches ``target``: its seconds since launch."""
+    """Evaluate the snapshots in order until one reaches ``target``: its seconds since launch
+    (and, for streamrl, since launch to the end of the step that made it: ``trained``)."""
     evals = []
     for snap in side["snapshots"]:
         p = held_out(side["config"], snap["path"], prompts, k)
         at = round(snap["at"] - side["launched"], 1)
-        evals.append({"at": at, "pass_at_1": p, **{k_: snap[k_] for k_ in ("version", "step")
-                                                   if k_ in snap}})  # fmt: skip
-        say(f"    {Path(snap['path']).name} at {at} s: held-out {p:.3f}")
+        trained = round(snap.get("trained_at", snap["at"]) - side["launched"], 1)
+        evals.append({"at": at, "trained_at": trained, "pass_at_1": p,
+                      **{k_: snap[k_] for k_ in ("version", "step") if k_ in snap}})  # fmt: skip
+        say(f"    {Path(snap['path']).name} at {at} s (trained at {trained} s): held-out {p:.3f}")
         if p >= target:
-            return {"seconds": at, "evals": evals}
-    return {"seconds": None, "evals": evals}
+            return {"seconds": at, "trained": trained, "evals": evals}
+    return {"seconds": None, "trained": None, "evals": evals}
 
 
 def vs_trl_agent(
@@ -254,6 +287,7 @@ def vs_trl_agent(
         for name, side in sides.items():
             res = found[name].result()
             row[name] = res["seconds"]
+            row[f"{name}_trained"] = res["trained"]
             row[f"{name}_detail"] = {
                 "stopped_after": side["stopped_after"], "steps": side["steps"],
                 "rewards": side.get("rewards"), "evals": res["evals"],
@@ -265,7 +299,11 @@ def vs_trl_agent(
                 row[f"{name}_not_reached_in"] = side["stopped_after"]
         if row["streamrl"] and row["trl"]:
             row["ratio"] = round(row["streamrl"] / row["trl"], 3)
-        say(f"  streamrl {row['streamrl']} s, trl {row['trl']} s, ratio {row.get('ratio')}")
+            row["ratio_trained"] = round(row["streamrl_trained"] / row["trl_trained"], 3)
+        say(
+            f"  streamrl {row['streamrl']} s (trained {row['streamrl_trained']} s), trl "
+            f"{row['trl']} s, ratio {row.get('ratio')} ({row.get('ratio_trained')} trained)"
+        )
         out["runs"].append(row)
     evals.shutdown()
     ratios = [r["ratio"] for r in out["runs"] if "ratio" in r]
@@ -274,4 +312,6 @@ def vs_trl_agent(
         out[f"{name}_seconds_median"] = statistics.median(times) if times else None
         out[f"{name}_reached"] = f"{len(times)}/{runs}"
     out["ratio_median"] = statistics.median(ratios) if ratios else None
+    trained = [r["ratio_trained"] for r in out["runs"] if "ratio_trained" in r]
+    out["ratio_trained_median"] = statistics.median(trained) if trained else None
     return out
