@@ -65,6 +65,9 @@ def _scratch(config: Path, model: Path) -> tuple[Path, Path]:
                   config.read_text())  # fmt: skip
     # 8 rows per forward and backward on both sides: with 16, learner and TRL need ~8-10 GB each
     text = re.sub(r"(?m)^micro_batch_size = .*$", "micro_batch_size = 8", text)
+    # every step's line in the learner's log: its time is the snapshot's ``trained_at``
+    text = re.sub(r"(?m)^logging_steps = .*\n", "", text)
+    text = re.sub(r"(?m)^\[learner\]\n", "[learner]\nlogging_steps = 1\n", text)
     cfg = work / config.name
     cfg.write_text(text)
     return work, cfg
@@ -128,7 +131,7 @@ def streamrl_side(
     every = int(load_toml(cfg).learner.get("sync_every", 1))
     trained = _step_times(work / "logs" / "learn.log")
     snaps = [{"version": v, "at": seen[v], "path": str(policy_dir / f"v{v}"),
-              **({"trained_at": trained[v * every]} if v * every in trained else {})}
+              "trained_at": trained.get(v * every)}  # None: no step line for it
              for v in sorted(seen) if v > 0]  # fmt: skip
     return {"launched": launched, "work": str(work), "config": str(cfg), "snapshots": snaps,
             "steps": step, "stopped_after": round(time.time() - launched, 1),
@@ -216,7 +219,8 @@ def first_reaching(side: dict, target: float, prompts: int, k: int, say) -> dict
     for snap in side["snapshots"]:
         p = held_out(side["config"], snap["path"], prompts, k)
         at = round(snap["at"] - side["launched"], 1)
-        trained = round(snap.get("trained_at", snap["at"]) - side["launched"], 1)
+        done = snap.get("trained_at", snap["at"])  # TRL's ``at`` is its step's end
+        trained = round(done - side["launched"], 1) if done is not None else None
         evals.append({"at": at, "trained_at": trained, "pass_at_1": p,
                       **{k_: snap[k_] for k_ in ("version", "step") if k_ in snap}})  # fmt: skip
         say(f"    {Path(snap['path']).name} at {at} s (trained at {trained} s): held-out {p:.3f}")
@@ -299,7 +303,8 @@ def vs_trl_agent(
                 row[f"{name}_not_reached_in"] = side["stopped_after"]
         if row["streamrl"] and row["trl"]:
             row["ratio"] = round(row["streamrl"] / row["trl"], 3)
-            row["ratio_trained"] = round(row["streamrl_trained"] / row["trl_trained"], 3)
+            if row["streamrl_trained"] and row["trl_trained"]:
+                row["ratio_trained"] = round(row["streamrl_trained"] / row["trl_trained"], 3)
         say(
             f"  streamrl {row['streamrl']} s (trained {row['streamrl_trained']} s), trl "
             f"{row['trl']} s, ratio {row.get('ratio')} ({row.get('ratio_trained')} trained)"
