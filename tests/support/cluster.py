@@ -32,11 +32,16 @@ def _bindable(port: int) -> bool:
 
 
 def cluster_port(taken: list[int]) -> int:
-    """A free port whose cluster bus port (+10000) is free too; Redis needs it <= 55535."""
+    """A free port whose cluster bus port (+10000) is free too; Redis needs it <= 55535.
+    Neither may be a port or a bus port of a node already ``taken``: a node whose port was
+    another's bus port could not listen (seen in CI: "bind: Address already in use")."""
     rng = random.Random()
+    used = {*taken, *(t + 10000 for t in taken)}
     while True:
         port = rng.randint(20000, 45000)
-        if port != 6379 and port not in taken and _bindable(port) and _bindable(port + 10000):
+        if port == 6379 or port in used or port + 10000 in used:
+            continue
+        if _bindable(port) and _bindable(port + 10000):
             return port
 
 
@@ -99,8 +104,8 @@ class LocalCluster:
             raise RuntimeError("redis-server and redis-cli are needed for a local cluster")
         for port in self.ports:
             self._start_node(port)
-        for port in self.ports:
-            self._wait(lambda p=port: redis.Redis(port=p, socket_connect_timeout=0.5).ping())
+        for i in range(len(self.ports)):
+            self._up(i)
         subprocess.run(
             [
                 cli,
@@ -119,6 +124,36 @@ class LocalCluster:
         for port in self.ports:
             self._wait(lambda p=port: self._settled(p))
         return self
+
+    @staticmethod
+    def _answers(port: int, pid: int) -> bool:
+        """The server on ``port`` is the node started as ``pid`` (not another one that took
+        the port)."""
+        node = redis.Redis(port=port, socket_connect_timeout=0.5)
+        try:
+            return int(node.info("server")["process_id"]) == pid
+        finally:
+            node.close()
+
+    def _up(self, i: int) -> None:
+        """Node ``i`` answers. One that could not listen on its port (another process took it
+        after it was chosen: "Address already in use") is started again on another, twice at
+        most; one that exited for any other reason fails the start."""
+        for _ in range(3):
+            port = self.ports[i]
+            proc = self.procs[port]
+            self._wait(lambda p=port, q=proc: q.poll() is not None or self._answers(p, q.pid))
+            if proc.poll() is None:
+                return
+            log = self.directory / str(port) / "redis.log"
+            if "Address already in use" not in (log.read_text(errors="replace") if log.exists()
+                                                else ""):  # fmt: skip
+                break
+            del self.procs[port]
+            self.ports[i] = cluster_port(self.ports[:i] + self.ports[i + 1 :])
+            self._start_node(self.ports[i])
+        self.stop()
+        raise RuntimeError(f"a node of the local cluster exited; logs in {self.directory}")
 
     def _settled(self, port: int) -> bool:
         """The node sees the cluster as ok and knows every node, each replica as one; a
