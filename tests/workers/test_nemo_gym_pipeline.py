@@ -191,8 +191,11 @@ def _session(p, task_id: str) -> schema.Session | None:
     raw = p.r.get(p.keys.session(task_id))
     if not raw:
         return None
-    (task,) = [f[b"p"] for _, f in p.r.xrange(p.keys.tasks) if f.get(b"id") == task_id.encode()]
-    return session_codec.SESSION.decode(raw, task)
+    # the task's entries on the stream (a redelivered task can have more than one; they carry
+    # the same payload): the session was written against that payload
+    tasks = {f[b"p"] for _, f in p.r.xrange(p.keys.tasks) if f.get(b"id") == task_id.encode()}
+    assert len(tasks) == 1, f"{len(tasks)} different payloads for {task_id}"
+    return session_codec.SESSION.decode(raw, tasks.pop())
 
 
 def test_an_episode_resumes_on_another_worker_in_the_same_server_session(
@@ -218,9 +221,16 @@ def test_an_episode_resumes_on_another_worker_in_the_same_server_session(
         p.procs.start(VERIFY_QUEUE, 1)
         leases.top_up(p.r, ROLLOUT_QUEUE, cfg.run)
         leases.top_up(p.r, VERIFY_QUEUE, cfg.run)
+        # turn 1 checkpointed with its call's output: the call is confirmed and the worker
+        # waits on the slow policy (a checkpoint taken while the call was in flight is not
+        # enough: killed then, the episode rightly replays into a fresh server session)
         wait_for(
-            lambda: (s := _session(p, "resume:0")) is not None and len(s.turns) >= 1,
-            what="the first checkpoint",
+            lambda: (
+                (s := _session(p, "resume:0")) is not None
+                and len(s.turns) >= 1
+                and any(isinstance(i, schema.FunctionCallOutput) for i in s.items)
+            ),
+            what="the first checkpoint after a confirmed call",
             timeout=60,
         )
         p.procs.kill(first)
