@@ -208,6 +208,7 @@ class _Learner:
 
     reporters: Reporters = field(default_factory=lambda: Reporters([]))
     last_step_at: float = field(default_factory=time.monotonic)
+    publisher: publish.Publisher = field(default_factory=publish.Publisher)
     outcomes: Outcomes = field(init=False)  # solved / no signal over the last groups
 
     def __post_init__(self) -> None:
@@ -352,7 +353,7 @@ class _Learner:
     def publish(self) -> None:
         st, cfg = self.state, self.cfg
         weights = self.trainer.full_weights() if self.trainer else None  # FSDP: all-gathered
-        pv = publish.publish(
+        pv = self.publisher.publish(
             self.r, self.keys, self.model, self.tokenizer, self.out / "policy", st.policy_version,
             st.step, lora=cfg.lora_r > 0, keep=cfg.keep_policy_versions, state_dict=weights,
         )  # fmt: skip

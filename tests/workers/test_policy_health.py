@@ -286,7 +286,7 @@ def test_a_tampered_version_is_refused_and_shown_in_status(
         data[-3] ^= 0x01
         weights.write_bytes(bytes(data))
         pv = PolicyVersion(version=2, step=2, path=str(v2), format="safetensors", digests=digests)
-        publish._announce(p.r, p.keys, pv)
+        publish.Publisher()._announce(p.r, p.keys, pv)
         refused = wait_for(served(1, error=True), "the refusal in status", WAIT_S, every=0.1)
         cli = subprocess.run(
             [sys.executable, "-m", "streamrl.cli", "--redis", redis_url, "--run", run, "status"],
