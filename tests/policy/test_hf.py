@@ -333,6 +333,45 @@ def test_decode_loop_samples_what_generate_samples_with_one_prefill_per_prompt(t
         assert a.finish_reason == b.finish_reason
 
 
+@pytest.mark.parametrize("later_turn", [False, True])
+def test_decode_loop_prefills_shared_heads_once_and_whole_prompts_in_one_pass(tiny_dir, later_turn):
+    """A first turn's group is one prompt repeated: one prompt pass. Later turns share the
+    group's first prompt and differ after it: the heads once, then every row's tail on top.
+    Either way, the tokens and log-probs that generate samples."""
+    from streamrl.policy.hf.decode import Sampler
+
+    policy = make(tiny_dir)
+    head = [BOS, 5, 6, 7, 8, 9]
+    rows = [head + ([10 + i, 11] if later_turn else [10]) for i in range(4)]  # one group
+    rows += [[BOS, 12, 13], [BOS, 12, 13]]  # another, one token shorter: left padding
+    heads = [r[:6] for r in rows[:4]] + [r[:2] for r in rows[4:]]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), policy._decoder.pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :], mask[i, width - len(r) :] = torch.tensor(r), 1
+    u = torch.rand((len(rows), 5), generator=torch.Generator().manual_seed(3))
+    passes: list[tuple[int, int, bool]] = []  # rows, width, with a cache
+    hook = lambda _m, _a, kw: passes.append(  # noqa: E731
+        (kw["input_ids"].size(0), kw["input_ids"].size(1), kw.get("past_key_values") is not None)
+    )
+    handle = policy.model.register_forward_pre_hook(hook, with_kwargs=True)
+    loop, generate = Sampler(u, 1.0), Sampler(u, 1.0)
+    with torch.inference_mode():
+        policy._decoder.sample(policy.model, ids, mask, loop, 5, loop=True, heads=heads)
+        prompt_passes = [p for p in passes if p[1] > 1]
+        handle.remove()
+        policy._decoder.sample(policy.model, ids, mask, generate, 5, loop=False)
+    if later_turn:  # 2 distinct heads, then 6 tails of 2 tokens on the heads' cache
+        assert prompt_passes == [(2, 6, False), (6, 2, True)]
+    else:  # 2 distinct prompts, no tail pass
+        assert prompt_passes == [(2, width, False)]
+    assert loop.tokens == generate.tokens
+    for t, a, b in zip(loop.tokens, loop.logprobs, generate.logprobs, strict=True):
+        n = t.index(EOS) + 1 if EOS in t else len(t)  # after eos: padding, differently fed
+        assert a[:n] == pytest.approx(b[:n], abs=1e-5)
+
+
 def test_decode_option_is_checked(tiny_dir):
     with pytest.raises(ValueError, match="decode must be loop or generate"):
         make(tiny_dir, decode="beam")

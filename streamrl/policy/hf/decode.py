@@ -151,7 +151,7 @@ class Decoder:
         ``generate`` is used instead."""
         import torch
 
-        if heads is not None and len({tuple(h) for h in heads}) < len(heads):
+        if heads is not None and _heads_pay(ids, mask, heads):
             start = self._prefill_heads(model, ids, mask, heads)
         else:
             start = self._prefill(model, ids, mask)
@@ -254,6 +254,18 @@ class Decoder:
         if end is not None and end < limit:
             return tokens[: end + 1], logprobs[: end + 1], "stop", tokens[:end]
         return tokens[:limit], logprobs[:limit], "length", tokens[:limit]
+
+
+def _heads_pay(ids: Any, mask: Any, heads: list[list[int]]) -> bool:
+    """Whether prefilling heads, then tails (two forward passes) runs fewer prompt tokens
+    than one pass over the distinct rows: only when rows that share a head differ after it.
+    A first turn's group is one prompt repeated, for which one pass is enough."""
+    import torch
+
+    distinct_heads = len({tuple(h) for h in heads})
+    if distinct_heads == len(heads):
+        return False
+    return torch.unique(torch.cat([ids, mask], dim=1), dim=0).size(0) > distinct_heads
 
 
 def _pad_id(tokenizer: Any) -> int:
