@@ -8,7 +8,10 @@ moment minus the moment the process was launched, so interpreter start, imports,
 building, worker start-up and training all count, and tear-down does not. Same tiny model,
 task (`copy`), reward rule (the copy verifier's positional match) and batch shape (8 prompts
 x 8 samples per step); the target is a mean reward of 0.9 (streamrl: over the last 512 scored
-samples; TRL: over its last 5 logged steps, 320 samples).
+samples; TRL: over its last 5 logged steps, 320 samples). Pair ``i`` runs both sides with seed
+``first_seed + i`` (sampling, prompts, learner; the model's initial weights are the same in
+every run): how many steps GRPO needs varies with the seed more than with anything else, so
+one seed for every pair would measure that seed.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ def vs_trl(
     target: float = 0.9,
     config: str | None = None,
     progress: Callable[[str], None] | None = None,
+    first_seed: int = 0,
 ) -> dict:
     say = progress or (lambda m: None)
     env = {**os.environ}
@@ -56,12 +60,13 @@ def vs_trl(
     theirs += ["--lr", str(trl_lr)] if trl_lr is not None else []
     out: dict = {"target": target, "runs": []}
     for i in range(runs):
-        order = [("streamrl", ours), ("trl", theirs)]
+        seed = ["--seed", str(first_seed + i)]
+        order = [("streamrl", ours + seed), ("trl", theirs + seed)]
         if i % 2:
             order.reverse()
-        row = {}
+        row: dict = {"seed": first_seed + i}
         for name, argv in order:
-            say(f"run {i + 1}/{runs}: {name}")
+            say(f"run {i + 1}/{runs} (seed {first_seed + i}): {name}")
             res = _run(argv, seconds + 300, env)
             row[name] = res["whole_seconds_to_target"]
             row[f"{name}_detail"] = {

@@ -101,10 +101,17 @@ from streamrl.cli._common import report
     show_default=True,
     help="lookup: streamrl's rollout workers (`streamrl worker rollout` processes).",
 )
+@click.option(
+    "--first-seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="copy: pair i runs both sides with seed first-seed + i.",
+)
 @click.option("--json", "as_json", is_flag=True)
 def bench_vs_trl(
     task, runs, trl_lr, seconds, trl_seconds, target, config_path, model, eval_prompts, eval_k,
-    stop_reward, snapshot_every, together, rollout_workers, as_json,
+    stop_reward, snapshot_every, together, rollout_workers, first_seed, as_json,
 ) -> None:  # fmt: skip
     """streamrl vs TRL GRPOTrainer, as whole processes from a cold start, both from this one
     command, with the ratio: `copy`, seconds to the target reward; `lookup`, seconds to the
@@ -139,5 +146,5 @@ def bench_vs_trl(
         from streamrl.benchmarks.vs_trl import vs_trl
 
         res = vs_trl(runs, trl_lr, seconds or 300.0, target if target is not None else 0.9,
-                     config_path, progress=say)  # fmt: skip
+                     config_path, progress=say, first_seed=first_seed)  # fmt: skip
     report(res, as_json)

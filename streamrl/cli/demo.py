@@ -20,8 +20,20 @@ from streamrl.cli._common import report
     "a freshly built tiny model.",
 )
 @click.option("--rollout-workers", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="The learner's, the policy's and the prompt generator's seed.",
+)
 def demo(
-    seconds: float, target: float, as_json: bool, config_path: str | None, rollout_workers: int
+    seconds: float,
+    target: float,
+    as_json: bool,
+    config_path: str | None,
+    rollout_workers: int,
+    seed: int,
 ) -> None:
     """Train a tiny model on `copy` through the whole pipeline, on a private Redis, live."""
     from streamrl.local.demo import DemoOptions, sigterm_as_interrupt, train_demo
@@ -32,6 +44,7 @@ def demo(
         live=not as_json,
         config=config_path,
         rollout_workers=rollout_workers,
+        seed=seed,
     )
     with sigterm_as_interrupt():
         res = train_demo(opts)
