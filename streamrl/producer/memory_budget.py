@@ -61,10 +61,14 @@ class MemoryBudget:
         if not fresh and now - self._read_at < self.check_s:
             return self.last
         self._read_at = now
-        stages = _read_stages(self.r, shards)
         info = _memory_info(self.r)
         budget = _budget(info, self.redis_memory_mb)
-        self.last = None if budget is None else self._project(info, budget, stages, pushed)
+        # the stages (ten commands a shard) only for a budget to project against
+        self.last = (
+            None
+            if budget is None
+            else self._project(info, budget, _read_stages(self.r, shards), pushed)
+        )
         return self.last
 
     def _project(
