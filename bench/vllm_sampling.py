@@ -4,7 +4,7 @@
 
     python bench/vllm_sampling.py [--prompts 64] [--new-tokens 64] [--cpus 0-1]
         [--dtype float32|bfloat16] [--engines vllm,hf,generate,llama.cpp] [--json]
-        [--device cpu|cuda] [--model DIR]
+        [--device cpu|cuda] [--model DIR] [--group-size 1]
 
 Each engine gets every prompt at once (the ``hf`` backend batches up to ``max_batch`` = 64,
 vLLM batches in its scheduler, ``generate`` takes one padded batch), temperature 1, and must
@@ -19,7 +19,10 @@ Runs on the same machine one after another: on a shared machine, compare figures
 ``--device cuda`` runs the ``hf`` backend and ``generate`` on a GPU (vLLM and llama.cpp stay
 as they are: this script starts the CPU build); ``--model`` takes another model directory
 (a GPU machine without SmolLM2's weights can use random ones of its shape: the speed is the
-same, and every row samples its whole ``--new-tokens``).
+same, and every row samples its whole ``--new-tokens``). ``--group-size G`` makes the batch
+what a GRPO rollout worker holds: ``--prompts / G`` prompts, each asked ``G`` times (a group's
+samples; the ``hf`` backend prefills each prompt once, ``generate`` takes the rows as they are,
+vLLM shares them through its prefix cache when enabled).
 """
 
 from __future__ import annotations
@@ -38,15 +41,20 @@ from streamrl.policy.base import PolicyRequest
 from streamrl.schema import Message, Task
 
 
-def prompts(n: int) -> list[str]:
-    return [f"What is {17 + 3 * i} + {29 + 7 * i}? Explain briefly." for i in range(n)]
+def prompts(n: int, group_size: int = 1) -> list[str]:
+    """``n`` prompts, each distinct one repeated ``group_size`` times in a row."""
+    return [
+        f"What is {17 + 3 * (i // group_size)} + {29 + 7 * (i // group_size)}? Explain briefly."
+        for i in range(n)
+    ]
 
 
-def requests(texts: list[str]) -> list[PolicyRequest]:
+def requests(texts: list[str], group_size: int = 1) -> list[PolicyRequest]:
     out = []
     for i, text in enumerate(texts):
-        task = Task(task_id=f"b{i}:0", prompt_id=f"b{i}", k=0, group_size=1, env="copy",
-                    input=[Message(role="user", content=text)])  # fmt: skip
+        g, k = divmod(i, group_size)
+        task = Task(task_id=f"b{g}:{k}", prompt_id=f"b{g}", k=k, group_size=group_size,
+                    env="copy", input=[Message(role="user", content=text)])  # fmt: skip
         out.append(PolicyRequest(task=task, items=list(task.input), tools=[]))
     return out
 
@@ -60,7 +68,7 @@ async def _all(policy, reqs) -> tuple[int, float]:
     return sum(len(x.token_ids) for x in turns), seconds
 
 
-def bench_vllm(model, texts, new_tokens, cpus, dtype) -> dict:
+def bench_vllm(model, texts, new_tokens, cpus, dtype, group_size=1) -> dict:
     from streamrl.policy.openai import OpenAIPolicy
 
     server = VLLMServer(model, cpus=cpus, dtype=dtype)
@@ -71,12 +79,13 @@ def bench_vllm(model, texts, new_tokens, cpus, dtype) -> dict:
                               temperature=1.0, max_new_tokens=new_tokens,
                               options={"trust_env": False,
                                        "extra_body": {"ignore_eos": True}})  # fmt: skip
-        tokens, seconds = asyncio.run(_all(OpenAIPolicy(config, None), requests(texts)))
+        policy = OpenAIPolicy(config, None)
+        tokens, seconds = asyncio.run(_all(policy, requests(texts, group_size)))
     return {"engine": "vllm (openai backend)", "tokens": tokens, "seconds": round(seconds, 2),
             "tokens_per_s": round(tokens / seconds, 1), "start_s": round(start_s, 1)}  # fmt: skip
 
 
-def bench_hf(model, texts, new_tokens, dtype, device="cpu") -> dict:
+def bench_hf(model, texts, new_tokens, dtype, device="cpu", group_size=1) -> dict:
     from streamrl.policy.hf import HFPolicy
 
     config = PolicyConfig(backend="hf", model=str(model), temperature=1.0,
@@ -84,7 +93,7 @@ def bench_hf(model, texts, new_tokens, dtype, device="cpu") -> dict:
                           options={"device": device, "dtype": dtype, "ignore_eos": True,
                                    "max_batch": len(texts)})  # fmt: skip
     policy = HFPolicy(config, None)
-    tokens, seconds = asyncio.run(_all(policy, requests(texts)))
+    tokens, seconds = asyncio.run(_all(policy, requests(texts, group_size)))
     return {"engine": "hf backend", "tokens": tokens, "seconds": round(seconds, 2),
             "tokens_per_s": round(tokens / seconds, 1)}  # fmt: skip
 
@@ -173,16 +182,21 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="one JSON object, no table")
     ap.add_argument("--device", default="cpu", help="the hf backend's and generate's device")
     ap.add_argument("--model", default="", help="a model directory (default: SmolLM2's)")
+    ap.add_argument("--group-size", type=int, default=1,
+                    help="samples per prompt, as a GRPO group (must divide --prompts)")  # fmt: skip
     args = ap.parse_args()
+    if args.group_size < 1 or args.prompts % args.group_size:
+        ap.error(f"--group-size {args.group_size} must divide --prompts {args.prompts}")
     engines = args.engines.split(",")
     unknown = set(engines) - {"vllm", "hf", "generate", "llama.cpp"}
     if unknown:
         ap.error(f"unknown engines {sorted(unknown)}: choose from vllm, hf, generate, llama.cpp")
     model = args.model or cached_smollm2()
-    texts = prompts(args.prompts)
+    g = args.group_size
+    texts = prompts(args.prompts, g)
     runs = {
-        "vllm": lambda: bench_vllm(model, texts, args.new_tokens, args.cpus, args.dtype),
-        "hf": lambda: bench_hf(model, texts, args.new_tokens, args.dtype, args.device),
+        "vllm": lambda: bench_vllm(model, texts, args.new_tokens, args.cpus, args.dtype, g),
+        "hf": lambda: bench_hf(model, texts, args.new_tokens, args.dtype, args.device, g),
         "generate": lambda: bench_generate(model, texts, args.new_tokens, args.dtype, args.device),
         "llama.cpp": lambda: bench_llamacpp(texts, args.new_tokens),
     }
@@ -190,7 +204,8 @@ def main() -> None:
     rates = {r["engine"]: r.get("tokens_per_s") for r in rows}
     hf, gen = rates.get("hf backend"), rates.get("transformers generate")
     result = {"model": f"SmolLM2-135M-Instruct {args.dtype}", "prompts": args.prompts,
-              "new_tokens": args.new_tokens, "cpu_count": os.cpu_count(), "device": args.device,
+              "group_size": g, "new_tokens": args.new_tokens, "cpu_count": os.cpu_count(),
+              "device": args.device,
               "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
               "load_avg_1m": round(os.getloadavg()[0], 1), "rows": rows,
               "hf_over_generate": round(hf / gen, 2) if hf and gen else None}  # fmt: skip
