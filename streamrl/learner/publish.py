@@ -66,10 +66,19 @@ class _Static:
         return all((self.source / name).is_file() for name in self.digests)
 
 
+class _NoLinks(OSError):
+    """The filesystem refused a hard link (some network and FUSE filesystems do)."""
+
+
 def _link_static(static: _Static, tmp: Path) -> None:
-    for name in static.digests:
-        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-        os.link(static.source / name, tmp / name)
+    tmp.mkdir()
+    try:
+        for name in static.digests:
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            os.link(static.source / name, tmp / name)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _NoLinks(str(e)) from e
 
 
 def _write_policy(
@@ -93,10 +102,10 @@ def _write_policy(
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # else a "Writing model shards" bar per version in the log
+    if static is not None:
+        _link_static(static, tmp)  # or _NoLinks, nothing left behind
     try:
         if static is not None:
-            tmp.mkdir()
-            _link_static(static, tmp)
             _save_weights(model, tmp)
             fsync_path(tmp / WEIGHTS_FILE)
         else:
@@ -173,6 +182,7 @@ class Publisher:
 
     def __init__(self) -> None:
         self._static: _Static | None = None
+        self._links = True  # False once the filesystem refused one
         self._announced: int | None = None
 
     def publish(
@@ -194,7 +204,12 @@ class Publisher:
         static = self._static if full and self._static and self._static.usable() else None
         existed = _version_dir(policy_dir, version).is_dir()
         try:
-            path = _write_policy(model, tokenizer, policy_dir, version, state_dict, static)
+            try:
+                path = _write_policy(model, tokenizer, policy_dir, version, state_dict, static)
+            except _NoLinks as e:
+                log.warning("no hard links here: every version writes all its files", error=str(e))
+                self._static, self._links, static = None, False, None
+                path = _write_policy(model, tokenizer, policy_dir, version, state_dict)
         except PublishFailed as e:
             log.error(str(e), step=step)
             return None
@@ -204,7 +219,7 @@ class Publisher:
             static.source = path  # the newest: the last one pruned
         else:
             digests = digest_dir(path)
-            if full and not existed:
+            if full and not existed and self._links:
                 rest = {k: v for k, v in digests.items() if k != WEIGHTS_FILE}
                 self._static = _Static(path, rest)
         pv = schema.PolicyVersion(

@@ -59,3 +59,27 @@ def test_a_version_already_announced_is_not_announced_again(tmp_path, r):
     assert pub.publish(r, keys, model, tok, out, 2, 2, lora=False, keep=3) is not None
     assert pub.publish(r, keys, model, tok, out, 3, 3, lora=False, keep=3) is not None
     assert _announced(r, keys) == [1, 2, 3]
+
+
+def test_a_filesystem_without_hard_links_gets_every_file_written(tmp_path, r, monkeypatch):
+    """Some network and FUSE filesystems refuse os.link: the version is written whole, and
+    later ones do not try again."""
+    import errno
+    import os
+
+    model, tok, keys, out = _model(), build_tokenizer(), Keys("nolinks"), tmp_path / "policy"
+    tried = []
+
+    def refuse(src, dst, *a, **kw):
+        tried.append(dst)
+        raise OSError(errno.EPERM, "Operation not permitted", str(dst))
+
+    monkeypatch.setattr(os, "link", refuse)
+    pub = Publisher()
+    for version in (1, 2, 3):
+        pv = pub.publish(r, keys, model, tok, out, version, version, lora=False, keep=3)
+        assert pv is not None and pv.digests == digest_dir(out / f"v{version}")
+        assert not list(out.glob(".tmp-*"))  # nothing half-made left behind
+    assert len(tried) == 1  # v2 tried once, v3 did not
+    assert all(p.stat().st_nlink == 1 for p in (out / "v2").iterdir())
+    assert _announced(r, keys) == [1, 2, 3]
