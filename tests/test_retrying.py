@@ -138,7 +138,9 @@ def test_a_client_starts_while_the_node_in_its_url_is_down(failing_over):
     """A URL that lists several nodes still reaches the cluster when the first is dead; one
     that names only the dead node cannot."""
     cluster, kill, done = failing_over
-    connect(cluster.url).set(KEY, "v")
+    r = connect(cluster.url)
+    r.set(KEY, "v")
+    _replicated(r, KEY)  # else the failover may rightly lose it
     kill()
     wait_for(done, "the failover", 120)
     killed, _promoted, _took = done()

@@ -205,7 +205,6 @@ class _Learner:
     group_size: int = 0  # from the run config; sets the admission limit the producer obeys
     trainer: Trainer | None = None  # data parallel: rank 0 sends each step to every rank
     ranks: list[tuple[int, int]] = field(default_factory=list)  # (pid, parameter elements held)
-
     reporters: Reporters = field(default_factory=lambda: Reporters([]))
     last_step_at: float = field(default_factory=time.monotonic)
     publisher: publish.Publisher = field(default_factory=publish.Publisher)
@@ -360,7 +359,7 @@ class _Learner:
         if pv is None:  # not written (a full disk) and so not announced: training goes on
             return
         structlog.contextvars.bind_contextvars(policy_version=pv.version)
-        due = pv.version == 0 or self.state.step % self.cfg.logging_steps == 0
+        due = pv.version == 0 or st.step % cfg.logging_steps == 0
         (log.info if due else log.debug)("published", step=pv.step, path=pv.path)
 
     def checkpoint(self) -> None:
