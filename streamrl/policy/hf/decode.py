@@ -151,10 +151,14 @@ class Decoder:
         ``generate`` is used instead."""
         import torch
 
-        if heads is not None and _heads_pay(ids, mask, heads):
+        # rows that share a head and differ after it (later turns): the heads once, then the
+        # tails; else (a first turn's group is one prompt repeated) one pass over distinct rows
+        distinct, row_prompt = torch.unique(torch.cat([ids, mask], dim=1), dim=0,
+                                            return_inverse=True)  # fmt: skip
+        if heads is not None and distinct.size(0) > len({tuple(h) for h in heads}):
             start = self._prefill_heads(model, ids, mask, heads)
         else:
-            start = self._prefill(model, ids, mask)
+            start = self._prefill(model, ids, mask, distinct, row_prompt)
         if start is None:
             return False
         from streamrl.policy.hf.cache import roomy
@@ -183,12 +187,11 @@ class Decoder:
             cache, scores = out.past_key_values, out.logits[:, -1]
         return True
 
-    def _prefill(self, model: Any, ids: Any, mask: Any) -> tuple | None:
-        """Each distinct left-padded prompt run once; its cache handed to the rows that have it."""
-        import torch
-
-        rows = torch.cat([ids, mask], dim=1)
-        distinct, row_prompt = torch.unique(rows, dim=0, return_inverse=True)
+    def _prefill(
+        self, model: Any, ids: Any, mask: Any, distinct: Any, row_prompt: Any
+    ) -> tuple | None:
+        """Each distinct left-padded prompt (``distinct``: the unique rows of ids and mask side
+        by side, ``row_prompt``: each row's) run once; its cache handed to the rows that have it."""
         width = ids.size(1)
         p_ids, p_mask = distinct[:, :width], distinct[:, width:]
         positions = (p_mask.cumsum(-1) - 1).clamp_(min=0)  # left padding, as generate has it
@@ -254,18 +257,6 @@ class Decoder:
         if end is not None and end < limit:
             return tokens[: end + 1], logprobs[: end + 1], "stop", tokens[:end]
         return tokens[:limit], logprobs[:limit], "length", tokens[:limit]
-
-
-def _heads_pay(ids: Any, mask: Any, heads: list[list[int]]) -> bool:
-    """Whether prefilling heads, then tails (two forward passes) runs fewer prompt tokens
-    than one pass over the distinct rows: only when rows that share a head differ after it.
-    A first turn's group is one prompt repeated, for which one pass is enough."""
-    import torch
-
-    distinct_heads = len({tuple(h) for h in heads})
-    if distinct_heads == len(heads):
-        return False
-    return torch.unique(torch.cat([ids, mask], dim=1), dim=0).size(0) > distinct_heads
 
 
 def _pad_id(tokenizer: Any) -> int:
