@@ -109,7 +109,7 @@ def _write_policy(
             _save_weights(model, tmp)
             fsync_path(tmp / WEIGHTS_FILE)
         else:
-            if state_dict is None and not hasattr(model, "peft_config"):
+            if _one_file(model, state_dict):
                 _save_full(model, tmp)
             else:  # an adapter, or FSDP's gathered weights: transformers' and peft's layout
                 model.save_pretrained(tmp, max_shard_size="1000GB", state_dict=state_dict)
@@ -127,6 +127,12 @@ def _write_policy(
     os.rename(tmp, final)
     fsync_path(policy_dir)
     return final
+
+
+def _one_file(model: Any, state_dict: dict[str, Any] | None) -> bool:
+    """Whether the version is a whole model this process holds, written by ``_save_full``
+    (not an adapter, not FSDP's gathered weights)."""
+    return state_dict is None and not hasattr(model, "peft_config")
 
 
 def _save_full(model: Any, directory: Path) -> None:
@@ -200,7 +206,7 @@ class Publisher:
     ) -> schema.PolicyVersion | None:
         """Write, digest and announce ``version``; None (logged, nothing announced) when the
         files cannot be written, as on a full disk. ``state_dict``: see ``_write_policy``."""
-        full = state_dict is None and not lora and not hasattr(model, "peft_config")
+        full = not lora and _one_file(model, state_dict)
         static = self._static if full and self._static and self._static.usable() else None
         existed = _version_dir(policy_dir, version).is_dir()
         try:
