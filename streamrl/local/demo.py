@@ -35,7 +35,7 @@ from streamrl.config import RunConfig, load_toml
 from streamrl.defaults import ROLLOUT_QUEUE, VERIFY_QUEUE
 from streamrl.envs import make_env
 from streamrl.local import prefork
-from streamrl.local.pipeline import LocalPipeline
+from streamrl.local.pipeline import LocalPipeline, memory_scratch
 from streamrl.local.prefork import Prefork
 from streamrl.local.procs import own_cpu, self_cpu, tree_cpu
 from streamrl.ops.status import collect
@@ -64,7 +64,8 @@ class DemoOptions:
     max_steps: int | None = None  # stop once the learner has taken this many steps
     live: bool = True  # keep the live view on screen (else it is drawn only while running)
     window: int = 512  # rewards averaged for reward_first, reward_last and the target
-    directory: str | Path | None = None  # Redis, logs, model, checkpoints (default: a temp dir)
+    # Redis, logs, model, checkpoints (default: a temp dir, in memory where it can be)
+    directory: str | Path | None = None
     config: str | Path | None = None  # run config (default: DEMO_CONFIG)
     rollout_workers: int = 2
     seed: int = 0  # the learner's, the policy's and the prompt generator's
@@ -116,7 +117,7 @@ def train_demo(opts: DemoOptions = DemoOptions()) -> dict:
     progress = _Progress(opts.window)  # the clock starts here: `seconds` counts start-up
     cfg = load_toml(opts.config or DEMO_CONFIG)
     cfg.run = RUN
-    pipeline = LocalPipeline(cfg, directory=opts.directory)
+    pipeline = LocalPipeline(cfg, directory=opts.directory, scratch=memory_scratch())
     model_dir = pipeline.dir / "model"
     cfg.policy.model = str(model_dir)
     env = {**os.environ, **_THREADS}

@@ -5,6 +5,7 @@ worker processes, and the accounting that says whether every task came out exact
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 import time
 from collections import Counter
@@ -36,6 +37,25 @@ class Accounting:
     malformed_groups: int
 
 
+_MEMORY_FS = "/dev/shm"
+
+
+def memory_scratch(min_free: int = 256 << 20) -> str | None:
+    """A memory-backed parent for a throwaway run's directory (``streamrl demo``'s: deleted at
+    exit, so nothing in it needs a disk): policy versions, checkpoints and logs written every
+    step then cost no disk writes or fsyncs. None (tempfile's default) when TMPDIR is set, as
+    the user chose, or when /dev/shm is missing, read-only or short of ``min_free`` bytes."""
+    if os.environ.get("TMPDIR"):
+        return None
+    try:
+        st = os.statvfs(_MEMORY_FS)
+    except OSError:
+        return None
+    if not os.access(_MEMORY_FS, os.W_OK | os.X_OK) or st.f_bavail * st.f_frsize < min_free:
+        return None
+    return _MEMORY_FS
+
+
 class LocalPipeline:
     def __init__(
         self,
@@ -44,14 +64,18 @@ class LocalPipeline:
         directory: str | Path | None = None,
         worker_env: dict | None = None,
         control_url: str | None = None,
+        scratch: str | Path | None = None,
     ):
         """``url`` may name a Redis Cluster (``redis+cluster://``); rq then needs a plain
-        ``control_url``."""
+        ``control_url``. ``scratch``: where the temporary directory goes when no
+        ``directory`` is given (default: tempfile's, TMPDIR or /tmp)."""
         self.config = config
         self.control_url = control_url
         self.keys = Keys(config.run)
         self.shards = shard_keys(config.run, config.streams.shards)
-        self._tmp = None if directory else tempfile.TemporaryDirectory(prefix="streamrl-")
+        self._tmp = (
+            None if directory else tempfile.TemporaryDirectory(prefix="streamrl-", dir=scratch)
+        )
         self.dir = Path(directory or self._tmp.name)  # type: ignore[union-attr]
         self.server = None if url else EmbeddedRedis(self.dir / "redis")
         self.url = url
