@@ -15,7 +15,7 @@ from streamrl.models.tiny import build_model, build_tokenizer
 from streamrl.policy import make_policy
 from streamrl.policy.base import PolicyRequest
 from streamrl.policy.hf import HFPolicy
-from streamrl.schema import Message, PolicyVersion, encode
+from streamrl.schema import Message, PolicyVersion, Task, encode
 from tests.support import TEST_DEVICE
 
 EOS = build_tokenizer().eos_token_id
@@ -333,18 +333,23 @@ def test_decode_loop_samples_what_generate_samples_with_one_prefill_per_prompt(t
         assert a.finish_reason == b.finish_reason
 
 
-@pytest.mark.parametrize("later_turn", [False, True])
-def test_decode_loop_prefills_shared_heads_once_and_whole_prompts_in_one_pass(tiny_dir, later_turn):
+@pytest.mark.parametrize("case", ["first turn", "later turn", "distinct prompts"])
+def test_decode_loop_prefills_shared_heads_once_and_whole_prompts_in_one_pass(tiny_dir, case):
     """A first turn's group is one prompt repeated: one prompt pass. Later turns share the
-    group's first prompt and differ after it: the heads once, then every row's tail on top.
-    Either way, the tokens and log-probs that generate samples."""
+    group's first prompt and differ after it, and distinct prompts share the template's
+    opening: the heads once, then every row's tail on top. Either way, the tokens and
+    log-probs that generate samples."""
     from streamrl.policy.hf.decode import Sampler
 
     policy = make(tiny_dir)
     head = [BOS, 5, 6, 7, 8, 9]
-    rows = [head + ([10 + i, 11] if later_turn else [10]) for i in range(4)]  # one group
-    rows += [[BOS, 12, 13], [BOS, 12, 13]]  # another, one token shorter: left padding
-    heads = [r[:6] for r in rows[:4]] + [r[:2] for r in rows[4:]]
+    if case == "distinct prompts":  # six prompts, each alone, sharing their first 5 tokens
+        rows = [[*head[:5], 10 + i, 15 + i] for i in range(5)] + [[*head[:5], 20]]
+        heads = [r[:5] for r in rows]
+    else:
+        rows = [head + ([10 + i, 11] if case == "later turn" else [10]) for i in range(4)]
+        rows += [[BOS, 12, 13], [BOS, 12, 13]]  # another group, shorter: left padding
+        heads = [r[:6] for r in rows[:4]] + [r[:2] for r in rows[4:]]
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), policy._decoder.pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -362,14 +367,33 @@ def test_decode_loop_prefills_shared_heads_once_and_whole_prompts_in_one_pass(ti
         prompt_passes = [p for p in passes if p[1] > 1]
         handle.remove()
         policy._decoder.sample(policy.model, ids, mask, generate, 5, loop=False)
-    if later_turn:  # 2 distinct heads, then 6 tails of 2 tokens on the heads' cache
+    if case == "later turn":  # 2 distinct heads, then 6 tails of 2 tokens on the heads' cache
         assert prompt_passes == [(2, 6, False), (6, 2, True)]
-    else:  # 2 distinct prompts, no tail pass
+    elif case == "distinct prompts":  # the opening once, then 6 tails of up to 2 tokens
+        assert prompt_passes == [(1, 5, False), (6, 2, True)]
+    else:  # 2 distinct prompts, no tail pass (heads would run more positions)
         assert prompt_passes == [(2, width, False)]
     assert loop.tokens == generate.tokens
     for t, a, b in zip(loop.tokens, loop.logprobs, generate.logprobs, strict=True):
         n = t.index(EOS) + 1 if EOS in t else len(t)  # after eos: padding, differently fed
         assert a[:n] == pytest.approx(b[:n], abs=1e-5)
+
+
+def test_rows_alone_in_their_prompt_take_the_opening_every_row_shares():
+    """The heads the batcher hands the decode loop: a group's common prefix for its rows, the
+    batch's common opening for a row alone, and never a whole row (every row keeps a tail)."""
+    from streamrl.policy.hf.batching import _Pending, _shared_heads
+
+    def pending(prompt_id: str, ids: list[int]) -> _Pending:
+        task = Task(task_id=f"{prompt_id}:0", prompt_id=prompt_id, k=0, group_size=1, env="copy",
+                    input=[Message(role="user", content="x")])  # fmt: skip
+        return _Pending(PolicyRequest(task=task, items=list(task.input), tools=[]), None, ids)
+
+    batch = [pending("a", [1, 2, 3, 9, 9]), pending("a", [1, 2, 3, 9, 8])]  # a group
+    batch += [pending("b", [1, 2, 3, 4]), pending("c", [1, 2, 5])]  # alone
+    assert _shared_heads(batch) == [[1, 2, 3, 9], [1, 2, 3, 9], [1, 2], [1, 2]]
+    assert _shared_heads(batch[2:3]) == [[1, 2, 3]]  # alone in the batch: all but its last
+    assert _shared_heads([pending("b", [1, 2]), pending("c", [3, 4])]) == [[1], [3]]
 
 
 def test_decode_option_is_checked(tiny_dir):

@@ -316,18 +316,29 @@ class HFPolicy(Policy):
 def _shared_heads(batch: list[_Pending]) -> list[list[int]]:
     """Each row's leading tokens shared with the other rows of its prompt (a group's later
     turns share the first prompt and differ after it), at least one token short of the row
-    so that every row has a tail; a row alone keeps all but its last token as its head."""
+    so that every row has a tail. A row alone in its prompt takes the opening all rows share
+    (the chat template's system prompt, a tool description), else all but its last token.
+    The decode loop uses heads only where they save prefill (``decode._heads_pay``)."""
     by_prompt: dict[str, list[list[int]]] = {}
     for p in batch:
         by_prompt.setdefault(p.request.task.prompt_id, []).append(p.prompt_ids)
-    common: dict[str, int] = {}
-    for prompt_id, rows in by_prompt.items():
-        n = min(len(r) for r in rows) - 1
-        first = rows[0]
-        for r in rows[1:]:
-            n = next((j for j in range(n) if r[j] != first[j]), n)
-        common[prompt_id] = n
-    return [p.prompt_ids[: max(common[p.request.task.prompt_id], 1)] for p in batch]
+    common = {prompt_id: _common_prefix(rows) for prompt_id, rows in by_prompt.items()}
+    everyone = _common_prefix([p.prompt_ids for p in batch])
+    heads = []
+    for p in batch:
+        prompt_id = p.request.task.prompt_id
+        n = common[prompt_id] if len(by_prompt[prompt_id]) > 1 or not everyone else everyone
+        heads.append(p.prompt_ids[: max(n, 1)])
+    return heads
+
+
+def _common_prefix(rows: list[list[int]]) -> int:
+    """How many leading tokens all ``rows`` share, at most one short of the shortest."""
+    n = min(len(r) for r in rows) - 1
+    first = rows[0]
+    for r in rows[1:]:
+        n = next((j for j in range(n) if r[j] != first[j]), n)
+    return n
 
 
 def _device(name: str) -> Any:

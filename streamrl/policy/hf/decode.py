@@ -151,11 +151,13 @@ class Decoder:
         ``generate`` is used instead."""
         import torch
 
-        # rows that share a head and differ after it (later turns): the heads once, then the
-        # tails; else (a first turn's group is one prompt repeated) one pass over distinct rows
+        # one pass over the distinct rows (a first turn's group is one prompt repeated), or
+        # the distinct heads once and then every row's tail (later turns share the group's
+        # first prompt; distinct prompts share the chat template's opening): whichever runs
+        # fewer prompt positions
         distinct, row_prompt = torch.unique(torch.cat([ids, mask], dim=1), dim=0,
                                             return_inverse=True)  # fmt: skip
-        if heads is not None and distinct.size(0) > len({tuple(h) for h in heads}):
+        if heads is not None and _heads_pay(heads, mask, distinct.size(0)):
             start = self._prefill_heads(model, ids, mask, heads)
         else:
             start = self._prefill(model, ids, mask, distinct, row_prompt)
@@ -257,6 +259,16 @@ class Decoder:
         if end is not None and end < limit:
             return tokens[: end + 1], logprobs[: end + 1], "stop", tokens[:end]
         return tokens[:limit], logprobs[:limit], "length", tokens[:limit]
+
+
+def _heads_pay(heads: list[list[int]], mask: Any, distinct_rows: int) -> bool:
+    """Whether the heads-then-tails prefill runs fewer positions (padding included) than one
+    pass over the ``distinct_rows`` whole prompts, ``mask.size(1)`` wide."""
+    lengths = mask.sum(-1).tolist()
+    tails = max(n - len(h) for n, h in zip(lengths, heads, strict=True))
+    distinct_heads = {tuple(h) for h in heads}
+    heads_cost = len(distinct_heads) * max(len(h) for h in heads) + len(heads) * tails
+    return heads_cost < distinct_rows * mask.size(1)
 
 
 def _pad_id(tokenizer: Any) -> int:
