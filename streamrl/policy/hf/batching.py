@@ -323,7 +323,8 @@ def _shared_heads(batch: list[_Pending]) -> list[list[int]]:
     for p in batch:
         by_prompt.setdefault(p.request.task.prompt_id, []).append(p.prompt_ids)
     common = {prompt_id: _common_prefix(rows) for prompt_id, rows in by_prompt.items()}
-    everyone = _common_prefix([p.prompt_ids for p in batch])
+    alone = any(len(rows) == 1 for rows in by_prompt.values())  # else no row needs the opening
+    everyone = _common_prefix([p.prompt_ids for p in batch]) if alone else 0
     heads = []
     for p in batch:
         prompt_id = p.request.task.prompt_id
