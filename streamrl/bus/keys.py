@@ -161,6 +161,13 @@ class Keys:
         ``openai`` backend's ``max_inflight_per_server`` (``streamrl.policy.server_slots``)."""
         return self.run_key("served", server, "slots")
 
+    def server_slot_queue(self, server: str) -> tuple[str, str]:
+        """The requests waiting for a slot of one policy server, first come first served
+        across workers: a sorted set request id -> when it first asked, and one request id ->
+        when it stops counting unless it asks again (Redis ms; a waiter that was killed)."""
+        queue = self.run_key("served", server, "queue")
+        return queue, queue + "_until"
+
     @property
     def server_picks(self) -> tuple[str, str]:
         """Which policy server each rollout worker was given (``[policy] base_url`` as a list):

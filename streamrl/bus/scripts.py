@@ -489,19 +489,44 @@ return redis.call('PTTL', KEYS[1])
 # so a holder killed mid-request frees its slot when the lease ends, swept here by the next
 # caller. Redis's clock, not the callers'. Asking again with an id that already holds a slot
 # (a retried call) keeps it.
-# KEYS[1]=slots zset (member: request id, score: lease end, ms). ARGV: request id, lease_ms,
-# limit. Returns 0 when the request holds a slot, else about how many ms until the earliest
-# lease ends (a slot usually frees sooner: a request gives its slot back when it ends).
+# First come, first served: a request that has to wait joins a queue (KEYS[2]) and takes a
+# slot only when the slots free are more than the requests that asked before it. Without the
+# queue, a worker whose requests give a slot back and ask again at once kept every slot while
+# other workers' polls missed the moment (a worker starved for minutes). A waiter stays queued
+# while it asks again within ARGV[4] ms (KEYS[3]); one that stopped asking (killed) leaves.
+# KEYS[1]=slots zset (member: request id, score: lease end, ms), KEYS[2]=queue zset (member:
+# request id, score: when it first asked, µs, strictly increasing), KEYS[3]=zset request id ->
+# when it leaves the queue.
+# ARGV: request id, lease_ms, limit, wait_ttl_ms. Returns 0 when the request holds a slot, else
+# about how many ms until the earliest lease ends (a slot usually frees sooner: a request gives
+# its slot back when it ends), or ARGV[4] when the free slots go to earlier waiters.
 SLOT_ACQUIRE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local lease, limit = tonumber(ARGV[2]), tonumber(ARGV[3])
+local lease, limit, wait_ttl = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
-if redis.call('ZCARD', KEYS[1]) >= limit then
+local gone = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now)
+for _, w in ipairs(gone) do redis.call('ZREM', KEYS[2], w) end
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+local held = redis.call('ZCARD', KEYS[1])
+local ahead = redis.call('ZRANK', KEYS[2], ARGV[1])
+if not ahead then ahead = redis.call('ZCARD', KEYS[2]) end
+if held + ahead >= limit then
+  if ahead == redis.call('ZCARD', KEYS[2]) then  -- joins the queue: after the last, strictly
+    local last = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
+    local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    redis.call('ZADD', KEYS[2], last[2] and math.max(us, tonumber(last[2]) + 1) or us, ARGV[1])
+  end
+  redis.call('ZADD', KEYS[3], now + wait_ttl, ARGV[1])
+  redis.call('PEXPIRE', KEYS[2], wait_ttl + 1000)
+  redis.call('PEXPIRE', KEYS[3], wait_ttl + 1000)
+  if held < limit then return wait_ttl end
   local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
   return math.max(1, tonumber(first[2]) - now)
 end
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('ZADD', KEYS[1], now + lease, ARGV[1])
 redis.call('PEXPIRE', KEYS[1], lease + 1000)
 return 0

@@ -248,7 +248,8 @@ class OpenAIPolicy(Policy):
         if self._slots is None:
             key = self.keys.server_slots(self.server_id)
             owner = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
-            self._slots = ServerSlots(self._conn(), key, self.max_inflight,
+            queue = self.keys.server_slot_queue(self.server_id)
+            self._slots = ServerSlots(self._conn(), key, self.max_inflight, queue=queue,
                                       lease_s=self.slot_lease_s, owner=owner)  # fmt: skip
         return self._slots.slot()
 

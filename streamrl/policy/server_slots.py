@@ -13,8 +13,11 @@ the next acquire.
 Waiting for a slot is not a failure: a request waits as long as it takes (as a request waits on
 a slow server), it never raises and never costs its episode a delivery. Within one process the
 waiters queue in order (an ``asyncio.Lock`` is FIFO) and only the first one asks Redis, every
-``poll_s`` or at once when one of this process's requests gives its slot back; between
-processes the first to ask after a slot frees gets it.
+``poll_s`` or at once when one of this process's requests gives its slot back. Between
+processes they queue in Redis (``Keys.server_slot_queue``), first come first served: a process
+that gives a slot back and asks again at once cannot keep it from a process that asked before
+(it did, and starved the other for minutes). The price: a freed slot may sit idle until the
+waiter it is kept for asks again (under ``poll_s``).
 
 Several servers (``[policy] base_url`` as a list): ``pick_server`` gives a worker the server the
 fewest live workers were given (``scripts.SERVER_PICK``, atomic, so workers that start together
@@ -53,12 +56,16 @@ async def pick_server(r: Any, keys: Keys, worker: str, current: str, servers: li
 class ServerSlots:
     """The slots of one server, for the requests of one process (one policy client)."""
 
-    def __init__(self, r: Any, key: str, limit: int, *, lease_s: float = 30.0,
-                 poll_s: float = 0.1, owner: str = "") -> None:  # fmt: skip
+    def __init__(self, r: Any, key: str, limit: int, *, queue: tuple[str, str],
+                 lease_s: float = 30.0, poll_s: float = 0.1, owner: str = "") -> None:  # fmt: skip
         if limit < 1:
             raise ValueError(f"max_inflight_per_server must be at least 1, got {limit}")
         self.r = r
         self.key = key
+        self.queue = queue
+        # a waiter that has not asked again for this long (killed) leaves the queue: well over
+        # its polls, so a busy event loop does not lose its place
+        self.wait_ttl_ms = max(2000, int(poll_s * 20_000))
         self.limit = limit
         self.lease_ms = max(100, int(lease_s * 1000))
         self.poll_s = poll_s
@@ -98,23 +105,24 @@ class ServerSlots:
         self.waiting += 1
         try:
             async with self._turn:
-                while True:
-                    self._freed.clear()
-                    try:
+                try:
+                    while True:
+                        self._freed.clear()
                         wait_ms = int(
                             await self._acquire(
-                                keys=[self.key], args=[slot, self.lease_ms, self.limit]
+                                keys=[self.key, *self.queue],
+                                args=[slot, self.lease_ms, self.limit, self.wait_ttl_ms],
                             )
                         )
-                    except BaseException:  # cancelled mid-call: the slot may have been taken
-                        with contextlib.suppress(Exception):
-                            await self.r.zrem(self.key, slot)
-                        raise
-                    if wait_ms == 0:
-                        break
-                    pause = min(wait_ms / 1000, self.poll_s) * (0.5 + random.random())
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._freed.wait(), timeout=pause)
+                        if wait_ms == 0:
+                            break
+                        pause = min(wait_ms / 1000, self.poll_s) * (0.5 + random.random())
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._freed.wait(), timeout=pause)
+                except BaseException:  # cancelled: it may hold the slot or a place in the queue
+                    with contextlib.suppress(Exception):
+                        await self._leave(slot)
+                    raise
         finally:
             self.waiting -= 1
             self.waited_s += loop.time() - started
@@ -122,6 +130,11 @@ class ServerSlots:
         if self._renewer is None or self._renewer.done():
             self._renewer = asyncio.create_task(self._renew_loop())
         return slot
+
+    async def _leave(self, slot: str) -> None:
+        await self.r.zrem(self.key, slot)
+        for key in self.queue:
+            await self.r.zrem(key, slot)
 
     async def release(self, slot: str) -> None:
         self.held.discard(slot)
