@@ -99,6 +99,32 @@ def test_logprobs_are_the_sampling_distribution_at_the_sampled_tokens(tiny_dir, 
         assert turn.logprobs != pytest.approx(raw, abs=1e-3)
 
 
+@pytest.mark.parametrize("vocab", [49152, 50257, 1000, 7])
+def test_blocked_inverse_cdf_draws_what_the_whole_cumulative_sum_draws(vocab):
+    """The sampler places a draw in a block of the vocabulary by the blocks' sums, then inside
+    it: the same tokens as the textbook inverse CDF over the whole vocabulary (vocabularies a
+    multiple of the block or not), masked tokens never drawn, uniforms at both ends included,
+    and the log-normalizer ``logsumexp``."""
+    from streamrl.policy.hf.decode import _inverse_cdf
+
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn((256, vocab), generator=g) * 4
+    if vocab > 7:
+        x[:, ::3] = float("-inf")  # masked, among them a block's first and last entries
+    u = torch.rand(256, generator=g)
+    u[:2] = torch.tensor([0.0, 1.0 - 2**-24])
+    nxt, log_z = _inverse_cdf(x, u)
+    cdf = torch.softmax(x.double(), dim=-1).cumsum(dim=-1)
+    expected = torch.searchsorted(cdf, u[:, None].double() * cdf[:, -1:], right=True)[:, 0]
+    # float32 sums against float64: a draw may land on a neighbour only within rounding
+    off = (nxt != expected.clamp(max=vocab - 1)).sum().item()
+    assert off <= 1, off
+    assert torch.isfinite(x.gather(1, nxt[:, None])).all()
+    assert log_z == pytest.approx(torch.logsumexp(x, dim=-1), abs=1e-5)
+    picked = torch.bincount(nxt, minlength=vocab)
+    assert picked.size(0) == vocab  # never past the vocabulary
+
+
 def test_model_generation_defaults_do_not_reshape_sampling(tiny_dir, copy_task, tmp_path):
     """A model that ships sampling defaults (as Qwen and Llama do) is still sampled from
     softmax(logits / T) alone, so the recorded log-probs stay the learner's to recompute."""
@@ -394,6 +420,34 @@ def test_rows_alone_in_their_prompt_take_the_opening_every_row_shares():
     assert _shared_heads(batch) == [[1, 2, 3, 9], [1, 2, 3, 9], [1, 2], [1, 2]]
     assert _shared_heads(batch[2:3]) == [[1, 2, 3]]  # alone in the batch: all but its last
     assert _shared_heads([pending("b", [1, 2]), pending("c", [3, 4])]) == [[1], [3]]
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the packed head is for CPU float32 models")
+def test_packed_head_gives_the_models_logits_and_follows_new_weights(tiny_dir):
+    """The decode loop's oneDNN head: the logits of the model's own head (to float noise),
+    used only inside the loop, and remade when a policy version is loaded in place."""
+    from streamrl.policy.hf.head import PackedHead
+
+    policy = make(tiny_dir)
+    model, head = policy.model, policy._decoder.head
+    assert isinstance(head, PackedHead) and PackedHead.fits(model) is model.lm_head
+    ids = torch.tensor([[BOS, 5, 6, 7], [BOS, 9, 10, 11]])
+    with torch.inference_mode():
+        plain = model(input_ids=ids).logits
+        with head.on(model):
+            packed = model(input_ids=ids).logits
+        assert "forward" not in vars(model.lm_head)  # the model's own head again
+        assert head._key is not None  # the packed path ran
+        assert torch.allclose(packed, plain, atol=1e-5, rtol=1e-5)
+        state = {k: v * 1.5 if k == "lm_head.weight" else v for k, v in model.state_dict().items()}
+        model.load_state_dict(state)  # a new version, in place (lm_head may be tied)
+        changed = model(input_ids=ids).logits
+        with head.on(model):
+            assert torch.allclose(model(input_ids=ids).logits, changed, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(changed, plain, atol=1e-3)
+    # another dtype keeps the model's own head; so does the option off
+    assert PackedHead.fits(build_model(0).to(torch.bfloat16)) is None
+    assert make(tiny_dir, packed_head=False)._decoder.head is None
 
 
 def test_decode_option_is_checked(tiny_dir):

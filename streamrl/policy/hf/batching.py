@@ -86,7 +86,8 @@ class HFPolicy(Policy):
             config.model, dtype=torch_dtype, trust_remote_code=trust
         ).to(self.device)
         model.eval()
-        self._decoder = Decoder.of(model, self.tokenizer, ignore_eos)
+        packed_head = bool(opts.get("packed_head", True))  # oneDNN head (CPU float32 only)
+        self._decoder = Decoder.of(model, self.tokenizer, ignore_eos, packed_head)
         self._template_takes_tools = "tools" in (self.tokenizer.chat_template or "")
         # "auto": describe the tools in the system message when the template cannot take
         # them (SmolLM2); "off": the environment's prompt describes them itself.
