@@ -156,9 +156,25 @@ def _shared_vllm(name: str):
     return shared
 
 
+def _grouped(request) -> None:
+    """Under ``--dist loadgroup`` a vLLM test's node id carries its group: without it, both
+    workers run vLLM tests, each starting a server of its own on a 2-core machine (the CI ran
+    24 minutes and a test starved)."""
+    loadgroup = _xdist_worker() and request.config.getvalue("loadgroup")
+    if loadgroup and not request.node.nodeid.endswith("@vllm"):
+        pytest.fail(
+            f"pytest {pytest.__version__} ignores pytest-xdist's xdist_group: this vLLM test "
+            "is not in the vllm group, so both workers would start a vLLM server. pytest 9.2 "
+            "reads node ids from a field xdist 3.8 does not rewrite; install pytest<9.2 "
+            "(pyproject.toml pins it)",
+            pytrace=False,
+        )
+
+
 @pytest.fixture
 def vllm(request):
     """The session's vLLM server (tests/support/vllm.py), on the base weights and serving."""
+    _grouped(request)
     if _xdist_worker():
         _start_vllm(request.session)  # the worker that runs the vLLM group starts it
     if "session" not in _vllm:
@@ -169,6 +185,7 @@ def vllm(request):
 @pytest.fixture
 def vllm2(request):
     """A second vLLM server, beside ``vllm``: opt-in, its start-up does not fit the CI."""
+    _grouped(request)
     if _xdist_worker():
         _start_vllm(request.session)
     if "second" not in _vllm:
