@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from tests.support.waiting import wait_for
 
@@ -128,8 +130,10 @@ class LocalCluster:
     @staticmethod
     def _answers(port: int, pid: int) -> bool:
         """The server on ``port`` is the node started as ``pid`` (not another one that took
-        the port)."""
-        node = redis.Redis(port=port, socket_connect_timeout=0.5)
+        the port). Half a second and no retries: a process that took the port may accept and
+        never answer, and redis-py 8's defaults (5 s, retried) outlasted the start timeout."""
+        node = redis.Redis(port=port, socket_connect_timeout=0.5, socket_timeout=0.5,
+                           retry=Retry(NoBackoff(), 0))  # fmt: skip
         try:
             return int(node.info("server")["process_id"]) == pid
         finally:
