@@ -163,8 +163,9 @@ class Keys:
 
     def server_slot_queue(self, server: str) -> tuple[str, str]:
         """The requests waiting for a slot of one policy server, first come first served
-        across workers: a sorted set request id -> when it first asked, and one request id ->
-        when it stops counting unless it asks again (Redis ms; a waiter that was killed)."""
+        across workers: a sorted set request id -> when it first asked (Redis µs, strictly
+        increasing), and one request id -> when it stops counting unless it asks again (Redis
+        ms; a waiter that was killed)."""
         queue = self.run_key("served", server, "queue")
         return queue, queue + "_until"
 

@@ -509,11 +509,10 @@ if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
 local gone = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now)
 for _, w in ipairs(gone) do redis.call('ZREM', KEYS[2], w) end
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-local held = redis.call('ZCARD', KEYS[1])
-local ahead = redis.call('ZRANK', KEYS[2], ARGV[1])
-if not ahead then ahead = redis.call('ZCARD', KEYS[2]) end
+local held, queued = redis.call('ZCARD', KEYS[1]), redis.call('ZCARD', KEYS[2])
+local ahead = redis.call('ZRANK', KEYS[2], ARGV[1]) or queued
 if held + ahead >= limit then
-  if ahead == redis.call('ZCARD', KEYS[2]) then  -- joins the queue: after the last, strictly
+  if ahead == queued then  -- joins the queue: after the last, strictly
     local last = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
     local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
     redis.call('ZADD', KEYS[2], last[2] and math.max(us, tonumber(last[2]) + 1) or us, ARGV[1])
