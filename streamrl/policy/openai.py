@@ -28,7 +28,11 @@ Which policy version answered, in order:
    ``reload_check_s`` and may stamp a request one version late).
 
 Updating the server (option ``sync``), when a newer ``PolicyVersion`` is on the ``policy``
-stream; one client at a time per server (a Redis lock), the others just adopt the result:
+stream; one client at a time per server, the others just adopt the result
+(``streamrl.policy.server_update``: a lock renewed while held, so a killed updater frees the
+server within ``update_lock_s``; a server it left paused is resumed by the next worker; a
+version the server failed to load is every worker's reload error and is not asked for again
+for ``load_retry_s``):
 - ``lora``: ``POST /v1/load_lora_adapter {"lora_name": "policy-v7", "lora_path": dir}``
   (vLLM started with ``--enable-lora --max-loras >= keep_adapters + 1`` and
   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), then requests use ``model: "policy-v7"``; older
@@ -54,8 +58,9 @@ request waits for the server's ``/health`` (a server being restarted) for up to
 ``down_wait_s`` and is sent again; after that, or on any other 4xx, ``PolicyError`` (the
 episode stays pending and is retried; it is never scored).
 The HTTP client is an ``httpx``-API ``AsyncClient`` with one connection pool shared by all
-episodes. A failed server update (or served-version read) keeps the old version, is retried
-every ``reload_check_s``, and is reported as ``reload_error`` until a later sync succeeds.
+episodes. A failed server update keeps the old version, is retried after ``load_retry_s``
+(a failed served-version read: every ``reload_check_s``), and is reported as
+``reload_error`` until a later sync succeeds.
 Before asking the server to load a version, the worker checks its files against the version's
 digests when it can see the directory (``streamrl.policy.integrity``), and refuses a mismatch.
 
@@ -70,7 +75,8 @@ that syncs updates its own server, so each server follows the learner on its own
 Options: ``api_key``, ``timeout_s`` (600), ``connect_timeout_s`` (10), ``max_connections``
 (256), ``retries`` (4), ``backoff_s`` (0.5), ``backoff_max_s`` (8), ``sync``
 (none|lora|weights), ``lora_prefix`` (policy), ``keep_adapters`` (2), ``weights_method``,
-``pause_mode`` (wait), ``reload_check_s`` (1.0), ``seed`` (0), ``tool_choice`` (none),
+``pause_mode`` (wait), ``reload_check_s`` (1.0), ``load_retry_s`` (30), ``update_lock_s``
+(30), ``seed`` (0), ``tool_choice`` (none),
 ``tool_prompt`` (off|system), ``extra_body`` ({}), ``trust_env`` (true), ``version_retries``
 (3), ``down_wait_s`` (300), ``max_inflight_per_server`` (0), ``slot_lease_s`` (30),
 ``continue_tokens`` (true: a later turn is sent as the exact token ids so far, see
@@ -96,6 +102,7 @@ from streamrl.defaults import DEFAULT_RUN, POLICY_URL_ENV, RELOAD_ERROR_LOG_EVER
 from streamrl.envs.base import Environment
 from streamrl.http import Retryable, RetryPolicy, httpx_api, server_root
 from streamrl.log import Repeats
+from streamrl.policy import server_update
 from streamrl.policy._openai_tokens import TokenContinuation
 from streamrl.policy._openai_wire import ChatWire, HTTPStatusError, aborted, label_version
 from streamrl.policy._versions import latest_version
@@ -109,9 +116,13 @@ log = structlog.get_logger(__name__)
 _RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 _SYNC_MODES = ("none", "lora", "weights")
 _WEIGHTS_METHOD = "reload_weights"
-_LOCK_MS = 300_000
 _CHAT, _TEXT = "/v1/chat/completions", "/v1/completions"
 _RESET_TRIES = 20  # /reset_prefix_cache refusals retried, 0.05 s more between each
+
+
+class _ServerFailedLoad(Exception):
+    """The server failed to load this version moments ago (maybe for another worker): its
+    error, reported as this worker's reload error."""
 
 
 class OpenAIPolicy(Policy):
@@ -167,6 +178,8 @@ class OpenAIPolicy(Policy):
         self.weights_method = str(opts.get("weights_method", _WEIGHTS_METHOD))
         self.pause_mode = str(opts.get("pause_mode", "wait"))
         self.reload_check_s = float(opts.get("reload_check_s", 1.0))
+        self.load_retry_s = float(opts.get("load_retry_s", 30.0))
+        self.update_lock_ms = int(float(opts.get("update_lock_s", 30.0)) * 1000)
         self.version_retries = int(opts.get("version_retries", 3))
         self._weight_info: bool | None = None  # does the server label its weights?
         self.version_resends = 0  # requests asked again because the weights changed
@@ -431,7 +444,8 @@ class OpenAIPolicy(Policy):
                 self._reload_error = None
                 self._repeats.clear("sync")
             except Exception as e:  # keep serving the old version; try again later
-                self._reload_error = f"{type(e).__name__}: {e}"
+                shared = isinstance(e, _ServerFailedLoad)
+                self._reload_error = str(e) if shared else f"{type(e).__name__}: {e}"
                 skipped = self._repeats.check("sync", self._reload_error)
                 if skipped is not None:
                     log.error(
@@ -472,7 +486,9 @@ class OpenAIPolicy(Policy):
 
     async def _sync_once(self) -> None:
         self._conn()
-        served = await self._read_served()
+        served = await server_update.read(self._redis, self._served_key)
+        if served.paused is not None:
+            await self._resume_abandoned()
         if self.sync != "none":
             latest = await latest_version(self._redis, self.keys)
             wanted = "lora" if self.sync == "lora" else "safetensors"
@@ -484,27 +500,47 @@ class OpenAIPolicy(Policy):
                     version=latest.version,
                 )
                 latest = None
-            if latest is not None and latest.version > max(served[0], self._version):
-                token = uuid.uuid4().hex
-                lock = self._served_key + ":lock"
-                if await self._redis.set(lock, token, nx=True, px=_LOCK_MS):
-                    try:
-                        await self.load_version(latest)
-                    finally:
-                        if await self._redis.get(lock) == token.encode():
-                            await self._redis.delete(lock)
+            if latest is not None and latest.version > max(served.version, self._version):
+                failure = served.failure(latest.version, self.load_retry_s)
+                if failure is not None:  # this server failed to load it: said, not retried yet
+                    raise _ServerFailedLoad(failure)
+                if await self._update_server(latest):
                     return
-        if served[0] > self._version:
-            self._version, self._model = served[0], served[1] or self._model
+        if served.version > self._version:
+            self._version, self._model = served.version, served.model or self._model
 
-    async def _read_served(self) -> tuple[int, str]:
-        raw = await self._redis.hgetall(self._served_key)
-        version = int(raw.get(b"version", 0))
-        return version, raw.get(b"model", b"").decode()
+    async def _update_server(self, pv: PolicyVersion) -> bool:
+        """Load ``pv`` under the server's update lock; False when another worker holds it. A
+        failure is recorded for every worker of the server, then raised."""
+        lock_ms = self.update_lock_ms
+        async with server_update.update_lock(self._redis, self._served_key, lock_ms) as token:
+            if token is None:
+                return False
+            try:
+                await self.load_version(pv)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+                await server_update.record_failure(self._redis, self._served_key, pv.version, error)
+                raise
+            return True
+
+    async def _resume_abandoned(self) -> None:
+        """A worker stopped between its ``/pause`` and ``/resume`` (killed, or cancelled past
+        its clean-up): once its lock is free, resume the server for every worker."""
+        lock_ms = self.update_lock_ms
+        async with server_update.update_lock(self._redis, self._served_key, lock_ms) as token:
+            if token is None:  # its writer may still be at it
+                return
+            if (await server_update.read(self._redis, self._served_key)).paused is None:
+                return
+            await self._post("/resume", optional=True, expect_json=False)
+            await self._redis.hdel(self._served_key, "paused")
+            log.warning("resumed a policy server another worker left paused", server=self.root)
 
     async def load_version(self, pv: PolicyVersion) -> None:
         """Make the server serve ``pv`` (LoRA adapter or full weights) and use it from now on.
-        Public so that a learner or an operator can push a version without the stream."""
+        Public so that a learner or an operator can push a version without the stream (while
+        no worker syncs the same server: the workers take turns through its update lock)."""
         if pv.format not in ("lora", "safetensors"):
             return
         await self._pick()
@@ -517,8 +553,8 @@ class OpenAIPolicy(Policy):
         except PolicyError as e:  # say which version failed, for policy health and status
             raise PolicyError(f"loading policy v{pv.version} from {pv.path}: {e}") from e
         if self._redis is not None:
-            await self._redis.hset(
-                self._served_key, mapping={"version": pv.version, "model": self._model}
+            await server_update.record_loaded(
+                self._redis, self._served_key, pv.version, self._model
             )
         log.info(
             "server policy updated", policy_version=pv.version, model=self._model, server=self.root
@@ -555,7 +591,10 @@ class OpenAIPolicy(Policy):
         self._open.clear()  # new requests wait ...
         try:
             await self._idle.wait()  # ... until ours in flight finished on the old weights
-            if self.pause_mode != "none":
+            paused = self.pause_mode != "none"
+            if paused:
+                if self._redis is not None:  # for another worker to resume if this one dies
+                    await self._redis.hset(self._served_key, "paused", self.worker)
                 params = {"mode": self.pause_mode}
                 await self._post("/pause", params=params, optional=True, expect_json=False)
             try:
@@ -572,6 +611,8 @@ class OpenAIPolicy(Policy):
                     raise PolicyError(f"after loading v{pv.version} the server reports {data!r}")
             finally:
                 await self._post("/resume", optional=True, expect_json=False)
+                if paused and self._redis is not None:
+                    await self._redis.hdel(self._served_key, "paused")
             self._version = pv.version
         finally:
             self._open.set()

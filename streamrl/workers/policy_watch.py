@@ -24,6 +24,8 @@ from streamrl.policy._versions import latest_version
 
 log = structlog.get_logger("streamrl.rollout")
 
+CLOSE_GRACE_S = 30.0  # a reload running at lease end: time to finish, then to clean up
+
 
 class PolicyWatch:
     def __init__(self, r: Any, keys: Keys, worker: str, wake: asyncio.Event):
@@ -91,6 +93,14 @@ class PolicyWatch:
         except Exception as e:  # Redis trouble: the next heartbeat tries again
             log.warning("policy health check failed", error=repr(e))
 
-    def close(self) -> None:
-        if self._refreshing is not None:
-            self._refreshing.cancel()
+    async def aclose(self, grace_s: float = CLOSE_GRACE_S) -> None:
+        """Let a reload that is running finish (a lease that ends mid-swap would otherwise
+        leave the server paused and locked), then cancel it and wait for its clean-up."""
+        task = self._refreshing
+        if task is None or task.done():
+            return
+        await asyncio.wait({task}, timeout=grace_s)
+        if not task.done():
+            log.warning("policy reload still running at lease end; cancelled", grace_s=grace_s)
+            task.cancel()
+            await asyncio.wait({task}, timeout=grace_s)

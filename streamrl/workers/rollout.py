@@ -378,7 +378,7 @@ class _RolloutLease:
         finally:
             if heartbeat is not None:
                 heartbeat.cancel()
-            self.watch.close()
+            await self.watch.aclose()
             await self.endpoints.stop()
             await self.policy.close()
             for env in self.table.envs.values():

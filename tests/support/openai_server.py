@@ -63,6 +63,7 @@ class OpenAITestServer:
         self.reset_refusals = 0  # /reset_prefix_cache answers {"success": false} this often
         self.events: list[str] = []  # chat start/end and control calls, in arrival order
         self.delay_s = delay_s  # per chat request: keeps requests in flight for ordering tests
+        self.rpc_delay_s = 0.0  # per weight load: keeps a swap running for cancellation tests
         self._failures: list[int] = []
         self._lock = threading.Lock()  # one generation at a time (global torch RNG)
         self._httpd = ThreadingHTTPServer(("127.0.0.1", port), self.handler_class())
@@ -236,7 +237,11 @@ class OpenAITestServer:
             directory = (body.get("kwargs") or {}).get("weights_path")
         else:
             return 400, _error(400, f"unknown method {method!r}")
-        state = dict(iter_safetensors(directory))
+        time.sleep(self.rpc_delay_s)
+        try:
+            state = dict(iter_safetensors(directory))
+        except OSError as e:  # vLLM's answer when its worker raises
+            return 500, _error(500, f"{type(e).__name__}: {e}")
         with self._lock:
             self.base.load_state_dict(state, strict=False)
             self.weights_version += 1

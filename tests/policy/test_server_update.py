@@ -1,0 +1,204 @@
+"""Workers taking turns updating a policy server (``streamrl.policy.server_update``): a swap
+interrupted at any point (a lease ending, a SIGKILL between ``/pause`` and ``/resume``) never
+leaves the server paused or locked, and a version the server cannot load is every worker's
+reload error without pausing the server on every check.
+
+The server is ``tests.support.openai_server`` (vLLM's dialect, a real model), the clients the
+real ``openai`` backend, the locks and hashes a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import redis.asyncio
+from safetensors.torch import save_file
+
+from streamrl.bus.keys import Keys
+from streamrl.config import RunConfig
+from streamrl.models.tiny import build_model
+from streamrl.policy import server_update
+from streamrl.schema import PolicyVersion, encode
+from streamrl.workers.policy_watch import PolicyWatch
+from tests.policy.test_openai import make
+from tests.support.openai_server import OpenAITestServer
+from tests.support.waiting import wait_for
+
+SWAP = ["/pause?mode=wait", "/reset_prefix_cache", "/resume"]
+
+
+def _version(tmp_path, r, run: str, version: int, valid: bool = True) -> PolicyVersion:
+    path = tmp_path / f"v{version}"
+    if valid:
+        path.mkdir()
+        state = {k: v.contiguous() for k, v in build_model(seed=version).state_dict().items()}
+        save_file(state, path / "model.safetensors")
+    pv = PolicyVersion(version=version, step=version, path=str(path))
+    r.xadd(Keys(run).policy, {"p": encode(pv)})
+    return pv
+
+
+def _served(r, server: OpenAITestServer, run: str) -> tuple[dict, bool]:
+    """The server's ``served`` hash and whether its update lock is held."""
+    policy = make(server.url, redis_url=None, run=run)
+    key = Keys(run).served(policy.server_id)
+    raw = {k.decode(): v.decode() for k, v in r.hgetall(key).items()}
+    return raw, bool(r.exists(key + ":lock"))
+
+
+def _sync(url: str, redis_url: str, run: str, **options):
+    return make(url, redis_url=redis_url, run=run, sync="weights", reload_check_s=0, **options)
+
+
+def test_a_lease_that_ends_mid_swap_lets_the_swap_finish(
+    tiny_dir, r, redis_url, tmp_path, run_name
+):
+    """The lease's end waits for the reload its heartbeat started: the server is resumed, the
+    version recorded and the lock given back (cancelled at once, as before, the swap left the
+    server paused and every worker locked out of updating it for minutes)."""
+    _version(tmp_path, r, run_name, 1)
+    with OpenAITestServer(tiny_dir) as server:
+        server.rpc_delay_s = 1.0
+        policy = _sync(server.url, redis_url, run_name)
+
+        async def main():
+            ar = redis.asyncio.Redis.from_url(redis_url)
+            watch = PolicyWatch(ar, Keys(run_name), "w1", asyncio.Event())
+            await watch.heartbeat(policy, RunConfig(run=run_name))
+            while "rpc:reload_weights" not in server.events:
+                await asyncio.sleep(0.01)
+            await watch.aclose()
+            await policy.close()
+            await ar.aclose()
+
+        asyncio.run(main())
+        served, locked = _served(r, server, run_name)
+    assert server.control_calls == SWAP
+    assert server.weights_version == 1 and policy.version == 1
+    assert served["version"] == "1" and "paused" not in served and not locked
+
+
+def test_a_swap_cancelled_past_its_grace_resumes_the_server_and_unlocks(
+    tiny_dir, r, redis_url, tmp_path, run_name
+):
+    _version(tmp_path, r, run_name, 1)
+    with OpenAITestServer(tiny_dir) as server:
+        server.rpc_delay_s = 2.0
+        policy = _sync(server.url, redis_url, run_name)
+
+        async def main():
+            ar = redis.asyncio.Redis.from_url(redis_url)
+            watch = PolicyWatch(ar, Keys(run_name), "w1", asyncio.Event())
+            await watch.heartbeat(policy, RunConfig(run=run_name))
+            while "rpc:reload_weights" not in server.events:
+                await asyncio.sleep(0.01)
+            await watch.aclose(grace_s=0.1)
+            await policy.close()
+            await ar.aclose()
+
+        asyncio.run(main())
+        served, locked = _served(r, server, run_name)
+    assert server.control_calls == ["/pause?mode=wait", "/resume"]
+    assert policy.version == 0 and policy.reload_error is None
+    assert "paused" not in served and "version" not in served and not locked
+
+
+def test_workers_killed_mid_swap_leave_the_server_to_the_next(
+    tiny_dir, r, redis_url, tmp_path, run_name, subprocess_env
+):
+    """SIGKILL of the updating process at a random moment between its ``/pause`` and its
+    ``/resume``, three times: each time the next worker resumes the server once the dead
+    one's lock expires, then loads the version itself."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    with OpenAITestServer(tiny_dir) as server:
+        for version in (1, 2, 3):
+            _version(tmp_path, r, run_name, version)
+            server.rpc_delay_s = 1.0
+            calls = len(server.control_calls)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.support.server_updater",
+                 server.url, redis_url, run_name, "1.0"],
+                env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            )  # fmt: skip
+            try:
+                wait_for(lambda n=calls: "/pause?mode=wait" in server.control_calls[n:],
+                         "the updater's /pause", 60, every=0.01)  # fmt: skip
+                time.sleep(rng.uniform(0.0, 0.9))  # in /pause .. the load .. before /resume
+                paused, locked = _served(r, server, run_name)
+                proc.send_signal(signal.SIGKILL)
+            finally:
+                proc.kill()
+                out, err = proc.communicate(timeout=30)
+            assert paused.get("paused") == "updater" and locked, (seed, paused, err[-2000:])
+            assert b"synced" not in out, f"seed {seed}: the swap ended before the kill"
+            server.rpc_delay_s = 0.0
+            nxt = _sync(server.url, redis_url, run_name, update_lock_s=1.0)
+
+            async def until_synced(policy=nxt, version=version):
+                while policy.version != version:
+                    await policy.refresh()
+                    await asyncio.sleep(0.05)
+                await policy.close()
+
+            asyncio.run(asyncio.wait_for(until_synced(), 60))
+            after = server.control_calls[calls:]
+            served, locked = _served(r, server, run_name)
+            # the dead one's pause, the next worker's resume, then its own whole swap
+            assert after == ["/pause?mode=wait", "/resume", *SWAP], (seed, after)
+            assert served["version"] == str(version) and "paused" not in served, (seed, served)
+            assert not locked, seed
+
+
+def test_a_version_the_server_cannot_load_is_every_workers_error_and_not_asked_again(
+    tiny_dir, r, redis_url, tmp_path, run_name
+):
+    _version(tmp_path, r, run_name, 1, valid=False)
+    with OpenAITestServer(tiny_dir) as server:
+        workers = [_sync(server.url, redis_url, run_name, load_retry_s=3600) for _ in range(2)]
+
+        async def refresh_all(times: int) -> list[tuple[int, str | None]]:
+            for _ in range(times):
+                for policy in workers:
+                    await policy.refresh()
+            return [(p.version, p.reload_error) for p in workers]
+
+        async def main():
+            failed = await refresh_all(5)
+            one_try = list(server.events)
+            workers[1].load_retry_s = 0.0  # its window over: this worker asks once more
+            await refresh_all(1)
+            retried = list(server.events)
+            _version(tmp_path, r, run_name, 2)
+            loaded = await refresh_all(1)
+            for policy in workers:
+                await policy.close()
+            return failed, one_try, retried, loaded
+
+        failed, one_try, retried, loaded = asyncio.run(main())
+        served, locked = _served(r, server, run_name)
+    assert one_try.count("/pause") == 1  # one swap (its load retried inside it), not five
+    for version, error in failed:
+        assert version == 0
+        assert error is not None and "PolicyError: loading policy v1 from" in error, error
+        assert "FileNotFoundError" in error and str(tmp_path / "v1") in error, error
+    assert retried.count("/pause") == 2
+    # the next version loads, and no worker reports the old failure any more
+    assert loaded == [(2, None), (2, None)]
+    assert served["version"] == "2" and "failed" not in served and "error" not in served
+    assert not locked
+
+
+def test_served_records_parse_and_failures_expire():
+    raw = {b"version": b"3", b"model": b"policy", b"failed": b"4", b"error": b"E: x",
+           b"failed_at": b"100.0", b"paused": b"w1"}  # fmt: skip
+    served = server_update.Served.parse(raw)
+    assert (served.version, served.model, served.paused) == (3, "policy", "w1")
+    assert served.failure(4, retry_s=30, now=129.0) == "E: x"
+    assert served.failure(4, retry_s=30, now=130.0) is None
+    assert served.failure(5, retry_s=30, now=101.0) is None
+    assert server_update.Served.parse({}) == server_update.Served()
