@@ -592,12 +592,12 @@ class OpenAIPolicy(Policy):
         try:
             await self._idle.wait()  # ... until ours in flight finished on the old weights
             paused = self.pause_mode != "none"
-            if paused:
-                if self._redis is not None:  # for another worker to resume if this one dies
-                    await self._redis.hset(self._served_key, "paused", self.worker)
-                params = {"mode": self.pause_mode}
-                await self._post("/pause", params=params, optional=True, expect_json=False)
+            if paused and self._redis is not None:  # for another worker to resume if we die
+                await self._redis.hset(self._served_key, "paused", self.worker)
             try:
+                if paused:
+                    params = {"mode": self.pause_mode}
+                    await self._post("/pause", params=params, optional=True, expect_json=False)
                 if self.weights_method == "reload_weights":
                     rpc = {"method": "reload_weights", "kwargs": {"weights_path": pv.path}}
                 else:
