@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import redis.asyncio
 from safetensors.torch import save_file
 
@@ -54,57 +55,41 @@ def _sync(url: str, redis_url: str, run: str, **options):
     return make(url, redis_url=redis_url, run=run, sync="weights", reload_check_s=0, **options)
 
 
-def test_a_lease_that_ends_mid_swap_lets_the_swap_finish(
-    tiny_dir, r, redis_url, tmp_path, run_name
+async def _lease_ends_mid_swap(server, policy, redis_url: str, run: str, grace_s: float) -> None:
+    """A lease's policy watch starts a reload on its heartbeat; the lease ends while the server
+    is loading (what a rollout lease does at its end: the watch, then the policy's client)."""
+    ar = redis.asyncio.Redis.from_url(redis_url)
+    watch = PolicyWatch(ar, Keys(run), "w1", asyncio.Event())
+    await watch.heartbeat(policy, RunConfig(run=run))
+    while "rpc:reload_weights" not in server.events:
+        await asyncio.sleep(0.01)
+    await watch.aclose(grace_s=grace_s)
+    await policy.close()
+    await ar.aclose()
+
+
+@pytest.mark.parametrize(
+    ("grace_s", "calls", "version"),
+    [(30.0, SWAP, 1), (0.1, ["/pause?mode=wait", "/resume"], None)],
+    ids=["the swap finishes", "cancelled past its grace"],
+)
+def test_a_lease_that_ends_mid_swap_leaves_the_server_resumed_and_unlocked(
+    tiny_dir, r, redis_url, tmp_path, run_name, grace_s, calls, version
 ):
     """The lease's end waits for the reload its heartbeat started: the server is resumed, the
-    version recorded and the lock given back (cancelled at once, as before, the swap left the
-    server paused and every worker locked out of updating it for minutes)."""
+    version recorded and the lock given back; a swap still running after the grace is
+    cancelled and still resumes the server and gives the lock back. (Cancelled at once, as
+    before, a swap left the server paused and every worker locked out of it for minutes.)"""
     _version(tmp_path, r, run_name, 1)
     with OpenAITestServer(tiny_dir) as server:
         server.rpc_delay_s = 1.0
         policy = _sync(server.url, redis_url, run_name)
-
-        async def main():
-            ar = redis.asyncio.Redis.from_url(redis_url)
-            watch = PolicyWatch(ar, Keys(run_name), "w1", asyncio.Event())
-            await watch.heartbeat(policy, RunConfig(run=run_name))
-            while "rpc:reload_weights" not in server.events:
-                await asyncio.sleep(0.01)
-            await watch.aclose()
-            await policy.close()
-            await ar.aclose()
-
-        asyncio.run(main())
+        asyncio.run(_lease_ends_mid_swap(server, policy, redis_url, run_name, grace_s))
         served, locked = _served(r, server, run_name)
-    assert server.control_calls == SWAP
-    assert server.weights_version == 1 and policy.version == 1
-    assert served["version"] == "1" and "paused" not in served and not locked
-
-
-def test_a_swap_cancelled_past_its_grace_resumes_the_server_and_unlocks(
-    tiny_dir, r, redis_url, tmp_path, run_name
-):
-    _version(tmp_path, r, run_name, 1)
-    with OpenAITestServer(tiny_dir) as server:
-        server.rpc_delay_s = 2.0
-        policy = _sync(server.url, redis_url, run_name)
-
-        async def main():
-            ar = redis.asyncio.Redis.from_url(redis_url)
-            watch = PolicyWatch(ar, Keys(run_name), "w1", asyncio.Event())
-            await watch.heartbeat(policy, RunConfig(run=run_name))
-            while "rpc:reload_weights" not in server.events:
-                await asyncio.sleep(0.01)
-            await watch.aclose(grace_s=0.1)
-            await policy.close()
-            await ar.aclose()
-
-        asyncio.run(main())
-        served, locked = _served(r, server, run_name)
-    assert server.control_calls == ["/pause?mode=wait", "/resume"]
-    assert policy.version == 0 and policy.reload_error is None
-    assert "paused" not in served and "version" not in served and not locked
+    assert server.control_calls == calls
+    assert policy.version == (version or 0) and policy.reload_error is None
+    assert served.get("version") == (str(version) if version else None), served
+    assert "paused" not in served and not locked
 
 
 def test_workers_killed_mid_swap_leave_the_server_to_the_next(
