@@ -509,11 +509,13 @@ class OpenAIPolicy(Policy):
         if served.version > self._version:
             self._version, self._model = served.version, served.model or self._model
 
+    def _update_lock(self) -> Any:
+        return server_update.update_lock(self._redis, self._served_key, self.update_lock_ms)
+
     async def _update_server(self, pv: PolicyVersion) -> bool:
         """Load ``pv`` under the server's update lock; False when another worker holds it. A
         failure is recorded for every worker of the server, then raised."""
-        lock_ms = self.update_lock_ms
-        async with server_update.update_lock(self._redis, self._served_key, lock_ms) as token:
+        async with self._update_lock() as token:
             if token is None:
                 return False
             try:
@@ -527,14 +529,13 @@ class OpenAIPolicy(Policy):
     async def _resume_abandoned(self) -> None:
         """A worker stopped between its ``/pause`` and ``/resume`` (killed, or cancelled past
         its clean-up): once its lock is free, resume the server for every worker."""
-        lock_ms = self.update_lock_ms
-        async with server_update.update_lock(self._redis, self._served_key, lock_ms) as token:
+        async with self._update_lock() as token:
             if token is None:  # its writer may still be at it
                 return
             if (await server_update.read(self._redis, self._served_key)).paused is None:
                 return
             await self._post("/resume", optional=True, expect_json=False)
-            await self._redis.hdel(self._served_key, "paused")
+            await server_update.clear_paused(self._redis, self._served_key)
             log.warning("resumed a policy server another worker left paused", server=self.root)
 
     async def load_version(self, pv: PolicyVersion) -> None:
@@ -592,8 +593,8 @@ class OpenAIPolicy(Policy):
         try:
             await self._idle.wait()  # ... until ours in flight finished on the old weights
             paused = self.pause_mode != "none"
-            if paused and self._redis is not None:  # for another worker to resume if we die
-                await self._redis.hset(self._served_key, "paused", self.worker)
+            if paused and self._redis is not None:
+                await server_update.mark_paused(self._redis, self._served_key, self.worker)
             try:
                 if paused:
                     params = {"mode": self.pause_mode}
@@ -612,7 +613,7 @@ class OpenAIPolicy(Policy):
             finally:
                 await self._post("/resume", optional=True, expect_json=False)
                 if paused and self._redis is not None:
-                    await self._redis.hdel(self._served_key, "paused")
+                    await server_update.clear_paused(self._redis, self._served_key)
             self._version = pv.version
         finally:
             self._open.set()

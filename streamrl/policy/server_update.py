@@ -86,6 +86,16 @@ async def read(r: Any, key: str) -> Served:
     return Served.parse(await r.hgetall(key))
 
 
+async def mark_paused(r: Any, key: str, worker: str) -> None:
+    """Set before ``/pause``, for another worker to resume the server if this one dies."""
+    await r.hset(key, "paused", worker)
+
+
+async def clear_paused(r: Any, key: str) -> None:
+    """After ``/resume``."""
+    await r.hdel(key, "paused")
+
+
 async def record_failure(r: Any, key: str, version: int, error: str) -> None:
     await r.hset(key, mapping={"failed": version, "error": error, "failed_at": time.time()})
 
