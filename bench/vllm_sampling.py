@@ -15,7 +15,9 @@ pays on CPUs with AMX or AVX512-BF16). Tokens per second = generated tokens / wa
 the whole batch, after one warm-up request each. vLLM is
 started by ``streamrl.local.vllm`` (the cached venv, float32, ``--enforce-eager``) with its
 threads on ``--cpus`` and stopped by PID at the end; its start-up time is reported, not counted.
-Runs on the same machine one after another: on a shared machine, compare figures of one run.
+Each engine runs in a fresh process of its own, one after another (torch's OpenMP threads,
+the allocator's cache and vLLM's server are not shared with the next): on a shared machine,
+compare figures of one run.
 ``--device cuda`` runs the ``hf`` backend and ``generate`` on a GPU (vLLM and llama.cpp stay
 as they are: this script starts the CPU build); ``--model`` takes another model directory
 (a GPU machine without SmolLM2's weights can use random ones of its shape: the speed is the
@@ -30,10 +32,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
+import transformers
 
 from streamrl.config import PolicyConfig
 from streamrl.local.vllm import VLLMServer, cached_smollm2
@@ -171,6 +176,17 @@ def bench_llamacpp(texts, new_tokens) -> dict:
             "tokens_per_s": round(tokens / seconds, 1)}  # fmt: skip
 
 
+def _bench(engine: str, model, texts: list[str], args: argparse.Namespace) -> dict:
+    g = args.group_size
+    if engine == "vllm":
+        return bench_vllm(model, texts, args.new_tokens, args.cpus, args.dtype, g)
+    if engine == "hf":
+        return bench_hf(model, texts, args.new_tokens, args.dtype, args.device, g)
+    if engine == "generate":
+        return bench_generate(model, texts, args.new_tokens, args.dtype, args.device)
+    return bench_llamacpp(texts, args.new_tokens)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=64)
@@ -194,20 +210,18 @@ def main() -> None:
     model = args.model or cached_smollm2()
     g = args.group_size
     texts = prompts(args.prompts, g)
-    runs = {
-        "vllm": lambda: bench_vllm(model, texts, args.new_tokens, args.cpus, args.dtype, g),
-        "hf": lambda: bench_hf(model, texts, args.new_tokens, args.dtype, args.device, g),
-        "generate": lambda: bench_generate(model, texts, args.new_tokens, args.dtype, args.device),
-        "llama.cpp": lambda: bench_llamacpp(texts, args.new_tokens),
-    }
-    rows = [runs[e]() for e in engines]
+    rows = []
+    for engine in engines:  # each in a fresh process: nothing one leaves behind slows the next
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as one:
+            rows.append(one.submit(_bench, engine, model, texts, args).result())
     rates = {r["engine"]: r.get("tokens_per_s") for r in rows}
     hf, gen = rates.get("hf backend"), rates.get("transformers generate")
     result = {"model": f"SmolLM2-135M-Instruct {args.dtype}", "prompts": args.prompts,
               "group_size": g, "new_tokens": args.new_tokens, "cpu_count": os.cpu_count(),
               "device": args.device,
               "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
-              "load_avg_1m": round(os.getloadavg()[0], 1), "rows": rows,
+              "load_avg_1m": round(os.getloadavg()[0], 1), "torch": torch.__version__,
+              "transformers": transformers.__version__, "rows": rows,
               "hf_over_generate": round(hf / gen, 2) if hf and gen else None}  # fmt: skip
     if not args.json:
         for r in rows:

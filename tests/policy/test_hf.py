@@ -422,32 +422,92 @@ def test_rows_alone_in_their_prompt_take_the_opening_every_row_shares():
     assert _shared_heads([pending("b", [1, 2]), pending("c", [3, 4])]) == [[1], [3]]
 
 
-@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the packed head is for CPU float32 models")
-def test_packed_head_gives_the_models_logits_and_follows_new_weights(tiny_dir):
-    """The decode loop's oneDNN head: the logits of the model's own head (to float noise),
-    used only inside the loop, and remade when a policy version is loaded in place."""
-    from streamrl.policy.hf.head import PackedHead
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="packed weights are for CPU models")
+def test_packed_linears_give_the_models_logits_and_follow_new_weights(tiny_dir):
+    """The decode loop's oneDNN layers: the logits of the model's own (to float noise), used
+    only inside the loop, and each layer repacked when a policy version is loaded in place."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from streamrl.policy.hf.packed import MIN_WEIGHT, PackedLinears
 
     policy = make(tiny_dir)
-    model, head = policy.model, policy._decoder.head
-    assert isinstance(head, PackedHead) and PackedHead.fits(model) is model.lm_head
+    model = policy.model
+    assert isinstance(policy._decoder.packed, PackedLinears)
+    assert policy._decoder.packed.fits(model) == []  # the tiny model's layers are all small
+    every = PackedLinears(min_weight=0)  # so pack them all here
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert every.fits(model) == linears and model.lm_head in linears
     ids = torch.tensor([[BOS, 5, 6, 7], [BOS, 9, 10, 11]])
     with torch.inference_mode():
         plain = model(input_ids=ids).logits
-        with head.on(model):
+        with every.on(model):
             packed = model(input_ids=ids).logits
-        assert "forward" not in vars(model.lm_head)  # the model's own head again
-        assert head._key is not None  # the packed path ran
+        assert not any("forward" in vars(m) for m in linears)  # the model's own again
+        assert len(every._packed) == len(linears)  # the packed path ran, for every layer
         assert torch.allclose(packed, plain, atol=1e-5, rtol=1e-5)
-        state = {k: v * 1.5 if k == "lm_head.weight" else v for k, v in model.state_dict().items()}
-        model.load_state_dict(state)  # a new version, in place (lm_head may be tied)
+        state = {k: v * 1.5 if "proj" in k or k == "lm_head.weight" else v
+                 for k, v in model.state_dict().items()}  # fmt: skip
+        model.load_state_dict(state)  # a new version, in place
         changed = model(input_ids=ids).logits
-        with head.on(model):
+        with every.on(model):
             assert torch.allclose(model(input_ids=ids).logits, changed, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(changed, plain, atol=1e-3)
-    # another dtype keeps the model's own head; so does the option off
-    assert PackedHead.fits(build_model(0).to(torch.bfloat16)) is None
-    assert make(tiny_dir, packed_head=False)._decoder.head is None
+    # by default only layers of MIN_WEIGHT elements or more; other dtypes keep their own
+    wide = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=512,
+                                        num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=2))  # fmt: skip
+    big = [
+        m for m in wide.modules() if type(m) is torch.nn.Linear and m.weight.numel() >= MIN_WEIGHT
+    ]
+    assert PackedLinears().fits(wide) == big and len(big) == 5  # q, o, gate, up, down
+    assert PackedLinears().fits(wide.to(torch.float16)) == []
+    assert make(tiny_dir, packed_weights=False)._decoder.packed is None
+
+
+def test_every_torch_call_runs_on_the_policys_one_compute_thread(
+    tiny_dir, copy_task, r, redis_url, tmp_path, monkeypatch
+):
+    """torch's OpenMP workers are fast only while one OS thread makes torch calls
+    (``streamrl.policy.hf.compute``): loading the model, every decode call and every version
+    load run on one thread, never on the event loop's."""
+    import threading
+
+    from transformers import AutoModelForCausalLM
+
+    threads: dict[str, set[int]] = {"load": set(), "forward": set(), "version": set()}
+    real = AutoModelForCausalLM.from_pretrained
+
+    def from_pretrained(*args, **kwargs):
+        threads["load"].add(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    config = PolicyConfig(backend="hf", model=str(tiny_dir), max_new_tokens=4,
+                          options={"device": TEST_DEVICE, "reload_check_s": 0})  # fmt: skip
+    policy = HFPolicy(config, None, redis_url=redis_url, run="one-thread")
+    policy.model.register_forward_pre_hook(lambda *_: threads["forward"].add(threading.get_ident()))
+    load = policy._weights.load
+
+    def load_version(pv):
+        threads["version"].add(threading.get_ident())
+        load(pv)
+
+    monkeypatch.setattr(policy._weights, "load", load_version)
+
+    async def main():
+        first = await gather(policy, [request(copy_task(f"t:{i}")) for i in range(3)])
+        save_file({k: v.contiguous() for k, v in build_model(seed=1).state_dict().items()},
+                  tmp_path / "model.safetensors")  # fmt: skip
+        _publish(r, "one-thread", 3, tmp_path)
+        second = await policy.respond(request(copy_task("u:0")))
+        await policy.close()
+        return first, second
+
+    first, second = asyncio.run(main())
+    assert second.policy_version == 3 and first[0].policy_version == 0
+    assert all(len(ids) == 1 for ids in threads.values()), threads
+    (one,) = set.union(*threads.values())
+    assert one != threading.main_thread().ident
 
 
 def test_decode_option_is_checked(tiny_dir):

@@ -3,9 +3,10 @@
 The rollout worker runs many episodes as coroutines, each awaiting ``respond``. Requests that
 arrive while the model is idle (in the same event-loop tick) or while a batch is generating
 are queued, and the next batch takes up to ``max_batch`` of them into **one** decode call,
-which runs in a thread (``asyncio.to_thread``) so the event loop, and with it tool calls,
-heartbeats and Redis I/O, keeps running. Only one batch runs at a time, and weights change
-only between batches.
+which runs in a thread so the event loop, and with it tool calls, heartbeats and Redis I/O,
+keeps running: always the same thread, which also loads the model and its versions
+(``compute``: torch's OpenMP threads are fast only when one thread makes torch calls). Only
+one batch runs at a time, and weights change only between batches.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from streamrl.envs.base import Environment
 from streamrl.models.local import require_model_dir
 from streamrl.policy import _chat
 from streamrl.policy.base import Policy, PolicyError, PolicyRequest
+from streamrl.policy.hf.compute import ComputeThread
 from streamrl.policy.hf.decode import Decoder, Sampler, uniforms
 from streamrl.policy.hf.weights import ServedWeights, VersionWatch
 from streamrl.policy.token_text import TokenizerText
@@ -82,12 +84,18 @@ class HFPolicy(Policy):
 
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, trust_remote_code=trust)
         self.tokenizer.padding_side = "left"
-        model = AutoModelForCausalLM.from_pretrained(
-            config.model, dtype=torch_dtype, trust_remote_code=trust
-        ).to(self.device)
-        model.eval()
-        packed_head = bool(opts.get("packed_head", True))  # oneDNN head (CPU float32 only)
-        self._decoder = Decoder.of(model, self.tokenizer, ignore_eos, packed_head)
+        self._compute = ComputeThread()
+
+        def load() -> Any:
+            model = AutoModelForCausalLM.from_pretrained(
+                config.model, dtype=torch_dtype, trust_remote_code=trust
+            )
+            return model.to(self.device).eval()
+
+        model = self._compute.run(load)
+        # oneDNN on packed weights in the decode loop (CPU; packed_head: its name before)
+        packed = bool(opts.get("packed_weights", opts.get("packed_head", True)))
+        self._decoder = Decoder.of(model, self.tokenizer, ignore_eos, packed)
         self._template_takes_tools = "tools" in (self.tokenizer.chat_template or "")
         # "auto": describe the tools in the system message when the template cannot take
         # them (SmolLM2); "off": the environment's prompt describes them itself.
@@ -100,6 +108,7 @@ class HFPolicy(Policy):
         self._weights = ServedWeights(model, self.device)
         self._watch = VersionWatch(
             self._weights,
+            self._compute,
             redis_url,
             Keys(run),
             check_s=float(opts.get("reload_check_s", _DEFAULT_RELOAD_CHECK_S)),
@@ -168,11 +177,12 @@ class HFPolicy(Policy):
             with contextlib.suppress(Exception):  # already reported to the waiting requests
                 await self._runner
         await self._watch.close()
+        self._compute.close()
 
     def load(self, pv: PolicyVersion) -> None:
         """Serve ``pv`` now, as a rollout worker does when the learner announces it (held-out
         evaluation calls this for a given checkpoint; no batch may be running)."""
-        self._weights.load(pv)
+        self._compute.run(self._weights.load, pv)
 
     def _render_cached(self, request: PolicyRequest) -> list[int]:
         """Prompt token ids, cached: the samples of a group share their prompt, and rendering a
@@ -244,7 +254,7 @@ class HFPolicy(Policy):
             if not batch:
                 continue
             try:
-                turns = await asyncio.to_thread(self._generate, batch)
+                turns = await self._compute.call(self._generate, batch)
             except Exception as e:
                 err = PolicyError(f"hf generate failed: {e!r}")
                 for p in batch:
@@ -266,7 +276,7 @@ class HFPolicy(Policy):
                 return
 
     def _generate(self, batch: list[_Pending]) -> list[ModelTurn]:
-        """One decode call over the batch (runs in a worker thread)."""
+        """One decode call over the batch (runs on the compute thread)."""
         import torch
 
         started = time.perf_counter()

@@ -16,8 +16,8 @@ log-probs are those of the untempered model (for evaluation only).
 Decoding (option ``decode``). ``loop``: streamrl's own KV-cache loop, which prefills each
 distinct prompt once, so a group's samples share one prefill; ``generate``: transformers'
 ``generate``. Both sample through ``Sampler`` and give the same tokens up to float noise.
-The loop runs a float32 CPU model's output head through oneDNN on a packed weight (option
-``packed_head``, default true: ``streamrl.policy.hf.head``).
+The loop runs a CPU model's large linear layers through oneDNN on packed weights (option
+``packed_weights``, default true: ``streamrl.policy.hf.packed``).
 
 Tokens. ``token_ids`` are the sampled tokens up to and including the eos that ended the turn
 (the eos is an action the learner must learn), with its log-prob; padding never appears.
@@ -119,24 +119,24 @@ def _inverse_cdf(x: Any, u: Any) -> tuple[Any, Any]:
 @dataclass(frozen=True)
 class Decoder:
     """What ends a turn (``eos_ids``) and what fills finished rows (``pad_id``), read once
-    from the model and its tokenizer; ``head``: the decode loop's packed output head
-    (``streamrl.policy.hf.head``), None for the model's own."""
+    from the model and its tokenizer; ``packed``: the decode loop's packed linear layers
+    (``streamrl.policy.hf.packed``), None for the model's own."""
 
     eos_ids: list[int]
     pad_id: int
     ignore_eos: bool = False  # every row runs to its limit (benchmarks: equal work per row)
-    head: Any = None
+    packed: Any = None
 
     @classmethod
     def of(
-        cls, model: Any, tokenizer: Any, ignore_eos: bool = False, packed_head: bool = True
+        cls, model: Any, tokenizer: Any, ignore_eos: bool = False, packed: bool = True
     ) -> Decoder:
-        head = None
-        if packed_head:
-            from streamrl.policy.hf.head import PackedHead
+        linears = None
+        if packed:
+            from streamrl.policy.hf.packed import PackedLinears
 
-            head = PackedHead()
-        return cls(_eos_ids(model, tokenizer), _pad_id(tokenizer), ignore_eos, head)
+            linears = PackedLinears()
+        return cls(_eos_ids(model, tokenizer), _pad_id(tokenizer), ignore_eos, linears)
 
     def sample(
         self,
@@ -154,7 +154,7 @@ class Decoder:
         from transformers import GenerationConfig, LogitsProcessorList
 
         if loop:
-            with self.head.on(model) if self.head is not None else contextlib.nullcontext():
+            with self.packed.on(model) if self.packed is not None else contextlib.nullcontext():
                 if self._loop(model, ids, mask, sampler, steps, heads):
                     return
         if self.ignore_eos:  # generate() would stop rows at eos, or never sample it

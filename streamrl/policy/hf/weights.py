@@ -14,7 +14,6 @@ a tampered or truncated version is refused the same way.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import time
@@ -28,6 +27,7 @@ from streamrl.defaults import RELOAD_ERROR_LOG_EVERY_S
 from streamrl.log import Repeats
 from streamrl.policy._versions import latest_version
 from streamrl.policy.base import PolicyError
+from streamrl.policy.hf.compute import ComputeThread
 from streamrl.policy.integrity import verify_dir
 from streamrl.schema import PolicyVersion
 
@@ -111,12 +111,20 @@ class ServedWeights:
 
 class VersionWatch:
     """Loads the newest announced version (or the one ``lag`` announcements before it) into
-    ``weights``, at most every ``check_s``; without a Redis URL, never."""
+    ``weights``, at most every ``check_s``; without a Redis URL, never. Loads run on the
+    policy's ``compute`` thread, where its decode calls run."""
 
     def __init__(
-        self, weights: ServedWeights, redis_url: str | None, keys: Keys, check_s: float, lag: int
+        self,
+        weights: ServedWeights,
+        compute: ComputeThread,
+        redis_url: str | None,
+        keys: Keys,
+        check_s: float,
+        lag: int,
     ) -> None:
         self.weights = weights
+        self._compute = compute
         self.keys = keys
         self._redis_url = redis_url
         self._check_s = check_s
@@ -156,7 +164,7 @@ class VersionWatch:
         if latest is None or latest.version <= self.weights.version or latest.format == "none":
             self.error = None  # serving what we should
             return
-        await asyncio.to_thread(self.weights.load, latest)
+        await self._compute.call(self.weights.load, latest)
         self.error = None
         self._repeats.clear("reload")
         log.info(
