@@ -97,10 +97,11 @@ def _inverse_cdf(x: Any, u: Any) -> tuple[Any, Any]:
     rows, vocab = x.shape
     m = x.amax(dim=-1, keepdim=True)
     e = (x - m).exp_()  # exp(-inf) = 0: masked tokens are never drawn
-    blocks = -(-vocab // BLOCK)
-    if blocks * BLOCK != vocab:
-        e = torch.nn.functional.pad(e, (0, blocks * BLOCK - vocab))
-    e = e.view(rows, blocks, BLOCK)
+    size = min(BLOCK, vocab)  # a small vocabulary is one block, not padded to BLOCK
+    blocks = -(-vocab // size)
+    if blocks * size != vocab:
+        e = torch.nn.functional.pad(e, (0, blocks * size - vocab))
+    e = e.view(rows, blocks, size)
     upto = e.sum(dim=-1).cumsum(dim=-1)  # mass up to the end of each block
     total = upto[:, -1:]
     # below each sum it searches, so that rounding never lands past the last token with any
@@ -109,10 +110,10 @@ def _inverse_cdf(x: Any, u: Any) -> tuple[Any, Any]:
     target = torch.minimum(u[:, None].to(total.dtype) * total, torch.nextafter(total, zero))
     block = torch.searchsorted(upto, target, right=True).clamp_(max=blocks - 1)  # [rows, 1]
     before = torch.where(block > 0, upto.gather(1, (block - 1).clamp(min=0)), 0.0)
-    inside = e.gather(1, block[:, :, None].expand(rows, 1, BLOCK))[:, 0].cumsum(dim=-1)
+    inside = e.gather(1, block[:, :, None].expand(rows, 1, size))[:, 0].cumsum(dim=-1)
     within = torch.minimum(target - before, torch.nextafter(inside[:, -1:], zero)).clamp_(min=0)
-    at = torch.searchsorted(inside, within, right=True).clamp_(max=BLOCK - 1)
-    nxt = (block * BLOCK + at)[:, 0].clamp_(max=vocab - 1)
+    at = torch.searchsorted(inside, within, right=True).clamp_(max=size - 1)
+    nxt = (block * size + at)[:, 0].clamp_(max=vocab - 1)
     return nxt, m[:, 0] + total[:, 0].log()
 
 
