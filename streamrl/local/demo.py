@@ -51,6 +51,7 @@ RUN = "demo"
 DEMO_CONFIG = Path(__file__).parent.parent / "configs" / "copy-tiny.toml"
 # one thread per process: the learner and two rollout workers share a laptop's cores
 _THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+TIMELINE_COLUMNS = ["seconds", "step", "samples_scored", "reward", "entropy", "entropy_coef"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -249,6 +250,10 @@ class _Progress:
     reached: float | None = None  # seconds from the start to the target
     reached_at: float | None = None  # the same moment, epoch seconds
     reached_step: int | None = None
+    # once a second, TIMELINE_COLUMNS: to see which phase of a run takes the time
+    # (bench/demo_phases.py); the reward is the mean of `recent`
+    timeline: list[list[float]] = field(default_factory=list)
+    scored: int = 0
 
     def __post_init__(self) -> None:
         self.recent = deque(maxlen=self.window)
@@ -258,6 +263,7 @@ class _Progress:
 
     def add(self, rewards: Iterable[float]) -> None:
         for r in rewards:
+            self.scored += 1
             self.recent.append(r)
             if len(self.first) < self.window:
                 self.first.append(r)
@@ -265,6 +271,12 @@ class _Progress:
     def saw_step(self, step: int) -> None:
         if self.first_step_at is None and step >= 1:
             self.first_step_at = self.elapsed()
+
+    def note(self, step: int, entropy: float, coef: float) -> None:
+        """One timeline row (see ``timeline``)."""
+        reward = sum(self.recent) / len(self.recent) if self.recent else 0.0
+        row = [self.elapsed(), step, self.scored, reward, entropy, coef]
+        self.timeline.append([round(x, 4) if isinstance(x, float) else x for x in row])
 
     def at_target(self, target: float | None, step: int) -> bool:
         """Whether the mean of a full window is at the target (the first time is noted)."""
@@ -287,12 +299,16 @@ def _watch(
 ) -> None:
     """Until time is up, the step budget is spent or the target is reached: rewards in, the
     learner and the rollout workers checked, the view drawn once a second."""
-    drawn = 0.0
+    drawn = noted = 0.0
     with Live(console=console, refresh_per_second=4, transient=not opts.live) as view:
         while progress.elapsed() < opts.seconds:
             progress.add(feed.poll())
-            step = int(p.r.hget(p.keys.learner, "step") or 0)
+            raw = p.r.hmget(p.keys.learner, "step", "entropy", "entropy_coef")
+            step, entropy, coef = int(raw[0] or 0), float(raw[1] or 0), float(raw[2] or 0)
             progress.saw_step(step)
+            if time.monotonic() - noted >= 1.0:
+                noted = time.monotonic()
+                progress.note(step, entropy, coef)
             if opts.max_steps is not None and step >= opts.max_steps:
                 break
             health.check_fault(p.r, p.keys)  # a stuck rollout worker: one line, exit 1
@@ -338,6 +354,7 @@ def _result(
         "seconds": round(progress.elapsed(), 2),
         "seconds_to_target": round(reached, 2) if reached is not None else None,
         "reached_at": progress.reached_at,  # epoch seconds: `bench vs-trl` times from launch
+        "started_at": round(time.time() - progress.elapsed(), 3),  # epoch: timeline's 0
         "steps_to_target": progress.reached_step,
         "startup_seconds": round(first_step_at, 2) if first_step_at is not None else None,
         "training_seconds_to_target": (
@@ -353,6 +370,8 @@ def _result(
         "is_clipped_fraction": info.get("is_clipped_fraction"),
         "groups_dropped_stale": info.get("dropped_stale", 0),
         "entropy": info.get("entropy"),
+        "timeline_columns": TIMELINE_COLUMNS,
+        "timeline": progress.timeline,
     }
 
 

@@ -5,6 +5,7 @@ verifier, the learner process; policy versions flow back to the rollout workers.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -40,6 +41,17 @@ def test_demo_trains_and_rollouts_follow_new_policy_versions(tmp_path, monkeypat
     assert res["reward_last"] >= res["reward_first"] + 0.05, res
     assert res["samples_scored"] >= 250 * 64
     assert ("prefork" in res["cpu_seconds"]) == (prefork == "1")  # the fork server's own CPU
+    # the once-a-second timeline (bench/demo_phases.py), from when the demo starts watching:
+    # time, steps and samples only grow, the last row is close to the result's own counts,
+    # the entropy is the learner's
+    rows = res["timeline"]
+    assert len(rows[0]) == len(res["timeline_columns"]) == 6
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(rows)]
+    assert len(rows) >= 5 and min(gaps) >= 1.0 and sorted(gaps)[len(gaps) // 2] < 1.5, gaps
+    for col in range(3):
+        assert all(a[col] <= b[col] for a, b in itertools.pairwise(rows)), col
+    assert rows[-1][1] >= res["learner_steps"] - 60 and rows[-1][2] <= res["samples_scored"]
+    assert 0 < rows[-1][4] < 3.3  # nats: below log(24), the tiny vocabulary's maximum
     log = (tmp_path / "logs" / "learner.log").read_text()
     assert "published" in log and "Traceback" not in log
 
