@@ -117,3 +117,26 @@ def test_sigterm_stops_the_demo_and_everything_it_started(subprocess_env):
     for pid in left:  # orphans of a failed run: ours, by PID
         os.kill(pid, signal.SIGKILL)
     assert not left
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_the_people_summary_leaves_the_timeline_to_json(monkeypatch, as_json):
+    """`streamrl demo` prints its summary indented for a person: there the once-a-second
+    timeline (hundreds of lines at one number a line) is replaced by its row count; `--json`
+    keeps it whole. (The training run itself is the test above; here only what is printed.)"""
+    from click.testing import CliRunner
+
+    import streamrl.local.demo as local_demo
+    from streamrl.cli import main
+
+    rows = [[float(t), t, 64 * t, 0.5, 1.0, 0.0] for t in range(90)]
+    summary = {"reward_last": 0.9, "timeline_columns": ["seconds"], "timeline": rows}
+    monkeypatch.setattr(local_demo, "train_demo", lambda opts: dict(summary))
+    res = CliRunner().invoke(main, ["demo", *(["--json"] if as_json else [])])
+    assert res.exit_code == 0, res.output
+    printed = json.loads(res.output)
+    if as_json:
+        assert printed["timeline"] == rows and printed["timeline_columns"] == ["seconds"]
+    else:
+        assert printed == {"reward_last": 0.9, "timeline": "90 rows, in --json"}
+        assert len(res.output.splitlines()) < 10
