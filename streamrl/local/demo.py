@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from streamrl.local import prefork
 from streamrl.local.pipeline import LocalPipeline, memory_scratch
 from streamrl.local.prefork import Prefork
 from streamrl.local.procs import own_cpu, self_cpu, tree_cpu
+from streamrl.local.progress import TIMELINE_COLUMNS, Progress
 from streamrl.ops.status import collect
 from streamrl.ops.views import RewardFeed, status_table
 from streamrl.producer.admission import LearnerAdmission, admission_limit
@@ -51,7 +52,6 @@ RUN = "demo"
 DEMO_CONFIG = Path(__file__).parent.parent / "configs" / "copy-tiny.toml"
 # one thread per process: the learner and two rollout workers share a laptop's cores
 _THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-TIMELINE_COLUMNS = ["seconds", "step", "samples_scored", "reward", "entropy", "entropy_coef"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,7 +115,7 @@ def train_demo(opts: DemoOptions = DemoOptions()) -> dict:
     """Returns the JSON summary (``_result``). ``target=None`` trains until ``seconds`` or
     ``max_steps`` learner steps."""
     console = Console(stderr=True)
-    progress = _Progress(opts.window)  # the clock starts here: `seconds` counts start-up
+    progress = Progress(opts.window)  # the clock starts here: `seconds` counts start-up
     cfg = load_toml(opts.config or DEMO_CONFIG)
     cfg.run = RUN
     pipeline = LocalPipeline(cfg, directory=opts.directory, scratch=memory_scratch())
@@ -237,63 +237,11 @@ def _start_producer(
     threading.Thread(target=produce, daemon=True).start()
 
 
-@dataclass
-class _Progress:
-    """What the live loop has seen: the rewards of the first and of the latest `window`
-    samples, and when training started and the target was reached."""
-
-    window: int
-    started: float = field(default_factory=time.monotonic)
-    first: list[float] = field(default_factory=list)
-    recent: deque[float] = field(init=False)
-    first_step_at: float | None = None  # training time is measured from the first step
-    reached: float | None = None  # seconds from the start to the target
-    reached_at: float | None = None  # the same moment, epoch seconds
-    reached_step: int | None = None
-    # once a second, TIMELINE_COLUMNS: to see which phase of a run takes the time
-    # (bench/demo_phases.py); the reward is the mean of `recent`
-    timeline: list[list[float]] = field(default_factory=list)
-    scored: int = 0
-
-    def __post_init__(self) -> None:
-        self.recent = deque(maxlen=self.window)
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.started
-
-    def add(self, rewards: Iterable[float]) -> None:
-        for r in rewards:
-            self.scored += 1
-            self.recent.append(r)
-            if len(self.first) < self.window:
-                self.first.append(r)
-
-    def saw_step(self, step: int) -> None:
-        if self.first_step_at is None and step >= 1:
-            self.first_step_at = self.elapsed()
-
-    def note(self, step: int, entropy: float, coef: float) -> None:
-        """One timeline row (see ``timeline``)."""
-        reward = sum(self.recent) / len(self.recent) if self.recent else 0.0
-        row = [self.elapsed(), step, self.scored, reward, entropy, coef]
-        self.timeline.append([round(x, 4) if isinstance(x, float) else x for x in row])
-
-    def at_target(self, target: float | None, step: int) -> bool:
-        """Whether the mean of a full window is at the target (the first time is noted)."""
-        full = len(self.recent) == self.window
-        at = target is not None and full and sum(self.recent) / self.window >= target
-        if at and self.reached is None:
-            self.reached = self.elapsed()
-            self.reached_at = time.time()
-            self.reached_step = step
-        return at
-
-
 def _watch(
     p: LocalPipeline,
     learner: Any,
     feed: RewardFeed,
-    progress: _Progress,
+    progress: Progress,
     opts: DemoOptions,
     console: Console,
 ) -> None:
@@ -338,7 +286,7 @@ def _shut_down(p: LocalPipeline, learner: Any, forks: Prefork | None) -> dict[st
 
 
 def _result(
-    info: dict, feed: RewardFeed, progress: _Progress, target: float | None, cpu: dict
+    info: dict, feed: RewardFeed, progress: Progress, target: float | None, cpu: dict
 ) -> dict:
     """The summary: rewards at the start and the end, what the learner did, the time to the
     target (from the launch and from the first step), CPU by role, off-policy figures."""
