@@ -256,7 +256,7 @@ def _watch(
             progress.saw_step(step)
             if time.monotonic() - noted >= 1.0:
                 noted = time.monotonic()
-                progress.note(step, entropy, coef)
+                progress.note(step, _feed_count(feed), entropy, coef)
             if opts.max_steps is not None and step >= opts.max_steps:
                 break
             health.check_fault(p.r, p.keys)  # a stuck rollout worker: one line, exit 1

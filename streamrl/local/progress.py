@@ -28,7 +28,6 @@ class Progress:
     # once a second, TIMELINE_COLUMNS: to see which phase of a run takes the time
     # (bench/demo_phases.py); the reward is the mean of `recent`
     timeline: list[list[float]] = field(default_factory=list)
-    scored: int = 0
 
     def __post_init__(self) -> None:
         self.recent = deque(maxlen=self.window)
@@ -38,7 +37,6 @@ class Progress:
 
     def add(self, rewards: Iterable[float]) -> None:
         for r in rewards:
-            self.scored += 1
             self.recent.append(r)
             if len(self.first) < self.window:
                 self.first.append(r)
@@ -47,10 +45,10 @@ class Progress:
         if self.first_step_at is None and step >= 1:
             self.first_step_at = self.elapsed()
 
-    def note(self, step: int, entropy: float, coef: float) -> None:
-        """One timeline row (see ``timeline``)."""
+    def note(self, step: int, scored: int, entropy: float, coef: float) -> None:
+        """One timeline row (see ``timeline``); ``scored``: samples scored so far."""
         reward = sum(self.recent) / len(self.recent) if self.recent else 0.0
-        row = [self.elapsed(), step, self.scored, reward, entropy, coef]
+        row = [self.elapsed(), step, scored, reward, entropy, coef]
         self.timeline.append([round(x, 4) if isinstance(x, float) else x for x in row])
 
     def at_target(self, target: float | None, step: int) -> bool:
