@@ -37,7 +37,7 @@ from streamrl.envs import make_env
 from streamrl.local import prefork
 from streamrl.local.pipeline import LocalPipeline, memory_scratch
 from streamrl.local.prefork import Prefork
-from streamrl.local.procs import own_cpu, self_cpu, tree_cpu
+from streamrl.local.procs import lower_priority, own_cpu, self_cpu, tree_cpu
 from streamrl.local.progress import TIMELINE_COLUMNS, Progress
 from streamrl.ops.status import collect
 from streamrl.ops.views import RewardFeed, status_table
@@ -52,6 +52,12 @@ RUN = "demo"
 DEMO_CONFIG = Path(__file__).parent.parent / "configs" / "copy-tiny.toml"
 # one thread per process: the learner and two rollout workers share a laptop's cores
 _THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# The workers' and the producer's nice value. Mid-run the learner is the critical path: on two
+# cores it was runnable ~95 % of the time yet, sharing them evenly with workers that run ahead
+# to the admission window and then wait, it ran only ~75 % of it. At the lowest priority the
+# workers take what the learner leaves, and all of both cores while it waits for data
+# (docs/benchmarks.md, "The learner first"). Redis stays at the learner's priority.
+WORKER_NICE = 19
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +80,7 @@ class DemoOptions:
     policy_options: Mapping[str, Any] = field(default_factory=dict)  # over [policy] options
     # the in-flight window in learner batches, instead of the learner's max_staleness + 1
     admission_batches: int | None = None
+    worker_nice: int = WORKER_NICE  # 0: the workers and the producer as the learner
 
 
 def learner_toml(cfg: RunConfig) -> str:
@@ -126,7 +133,7 @@ def train_demo(opts: DemoOptions = DemoOptions()) -> dict:
     # learner and the rollout workers are forked from it (see streamrl.local.prefork)
     forks = Prefork(env=_THREADS) if prefork.enabled() else None
     with pipeline as p:
-        _start_workers(p, forks, env, model_dir, opts.rollout_workers)
+        _start_workers(p, forks, env, model_dir, opts.rollout_workers, opts.worker_nice)
         config_path = _write_config(p, cfg, opts)
         console.print(
             f"[bold]streamrl demo[/]: tiny Llama learning `{cfg.env}` - Redis {p.url}, "
@@ -151,28 +158,31 @@ def train_demo(opts: DemoOptions = DemoOptions()) -> dict:
 
 
 def _start_workers(
-    p: LocalPipeline, forks: Prefork | None, env: dict, model_dir: Path, rollout: int
+    p: LocalPipeline, forks: Prefork | None, env: dict, model_dir: Path, rollout: int, nice: int
 ) -> None:
-    """The verifier and the rollout workers, and the tiny model they (and the learner) load;
-    no lease yet, so the workers idle until the run has work."""
+    """The verifier and the rollout workers at nice value ``nice``, and the tiny model they
+    (and the learner) load; no lease yet, so the workers idle until the run has work."""
     from streamrl.models.tiny import save_tiny
 
     procs = p.procs
     assert procs is not None
     procs.env = env
+    started = []
     if forks is not None:
-        p.start_workers(rollout=0, verify=1, top_up=False)  # the verifier needs no torch
+        started += p.start_workers(rollout=0, verify=1, top_up=False)  # no torch needed
         forks.call(save_tiny, model_dir)  # waits for the server's imports
         procs.launcher = lambda argv, log, env_: forks.popen(argv, log, env_, True)
-        p.start_workers(rollout=rollout, verify=0, top_up=False)
+        started += p.start_workers(rollout=rollout, verify=0, top_up=False)
     else:
         # start-up in parallel: the workers import torch and transformers
         # (STREAMRL_PRELOAD) while this process builds the model
         procs.env = {**env, "STREAMRL_PRELOAD": "torch,transformers"}
-        p.start_workers(rollout=rollout, verify=0, top_up=False)
+        started += p.start_workers(rollout=rollout, verify=0, top_up=False)
         procs.env = env
-        p.start_workers(rollout=0, verify=1, top_up=False)
+        started += p.start_workers(rollout=0, verify=1, top_up=False)
         save_tiny(model_dir)
+    for proc in started:  # before any lease: their work horses are forked at this value
+        lower_priority(proc.pid, nice)
 
 
 def _write_config(p: LocalPipeline, cfg: RunConfig, opts: DemoOptions) -> Path:
@@ -222,6 +232,8 @@ def _start_producer(
         admission(n)
 
     def produce() -> None:
+        with contextlib.suppress(OSError):  # this thread only (Linux): see WORKER_NICE
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), opts.worker_nice)
         try:
             Producer(p.r, RUN, admission=admit, batch_samples=batch).from_env(
                 make_env(cfg.env, **cfg.env_options), 10**7, group_size, seed=opts.seed

@@ -31,6 +31,21 @@ def rq_worker_cmd(url: str, queue: str, name: str | None = None, quiet: bool = T
     return cmd
 
 
+def lower_priority(pid: int, nice: int) -> None:
+    """Give every thread of ``pid`` the nice value ``nice`` (on Linux a nice value is per
+    thread); the threads and processes it starts later inherit it. Nothing happens where the
+    process is gone or the system refuses (a nice value can only be raised unprivileged)."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, pid, nice)  # the whole process where it is per process
+    try:
+        tids = [t.id for t in psutil.Process(pid).threads()]
+    except psutil.Error:
+        return
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+
+
 def descendants(pid: int) -> list[int]:
     """Every living descendant of ``pid`` (none once it is gone)."""
     try:

@@ -14,11 +14,18 @@ import sys
 import tomllib
 from pathlib import Path
 
+import psutil
 import pytest
 
 from streamrl.config import load_toml
 from streamrl.learner.config import load_learner_config
-from streamrl.local.demo import DEMO_CONFIG, DemoOptions, learner_toml, train_demo
+from streamrl.local.demo import (
+    DEMO_CONFIG,
+    WORKER_NICE,
+    DemoOptions,
+    learner_toml,
+    train_demo,
+)
 from streamrl.local.procs import descendants, stop_all
 from tests.support.waiting import wait_for
 
@@ -103,6 +110,11 @@ def test_sigterm_stops_the_demo_and_everything_it_started(subprocess_env):
         )
         started = descendants(proc.pid)
         assert len(started) >= 6  # redis, verifier, fork server, learner, 2 rollout workers
+        # the learner first (demo.WORKER_NICE): every worker thread, work horses included, at
+        # the lowest priority; the learner, Redis and the fork server as they were
+        nice = _nice_by_role(started)
+        assert nice["worker"] == {WORKER_NICE} and nice["learner"] == {0}, nice
+        assert nice["redis"] == {0} and nice["prefork"] == {0}, nice
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=90)
     finally:
@@ -117,6 +129,24 @@ def test_sigterm_stops_the_demo_and_everything_it_started(subprocess_env):
     for pid in left:  # orphans of a failed run: ours, by PID
         os.kill(pid, signal.SIGKILL)
     assert not left
+
+
+def _nice_by_role(pids: list[int]) -> dict[str, set[int]]:
+    """The nice values of every thread of ``pids``, by what each process is."""
+    out: dict[str, set[int]] = {}
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            title = " ".join(psutil.Process(pid).cmdline())
+            role = (
+                "learner" if "streamrl.cli learn" in title
+                else "worker" if "rq" in title.split(":")[0] or "rq.cli" in title
+                else "redis" if "redis-server" in title
+                else "prefork" if "prefork" in title
+                else title
+            )  # fmt: skip
+            for t in psutil.Process(pid).threads():
+                out.setdefault(role, set()).add(os.getpriority(os.PRIO_PROCESS, t.id))
+    return out
 
 
 @pytest.mark.parametrize("as_json", [True, False])
