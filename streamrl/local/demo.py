@@ -32,7 +32,7 @@ from rich.table import Table
 
 from streamrl.bus import health
 from streamrl.config import RunConfig, load_toml
-from streamrl.defaults import ROLLOUT_QUEUE, VERIFY_QUEUE
+from streamrl.defaults import DEMO_WORKER_NICE, ROLLOUT_QUEUE, VERIFY_QUEUE
 from streamrl.envs import make_env
 from streamrl.local import prefork
 from streamrl.local.pipeline import LocalPipeline, memory_scratch
@@ -57,7 +57,7 @@ _THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # to the admission window and then wait, it ran only ~75 % of it. At the lowest priority the
 # workers take what the learner leaves, and all of both cores while it waits for data
 # (docs/benchmarks.md, "The learner first"). Redis stays at the learner's priority.
-WORKER_NICE = 19
+WORKER_NICE = DEMO_WORKER_NICE
 
 
 @dataclass(frozen=True, kw_only=True)
