@@ -382,6 +382,8 @@ def test_decode_loop_prefills_shared_heads_once_and_whole_prompts_in_one_pass(ti
     for i, r in enumerate(rows):
         ids[i, width - len(r) :], mask[i, width - len(r) :] = torch.tensor(r), 1
     u = torch.rand((len(rows), 5), generator=torch.Generator().manual_seed(3))
+    # on the policy's device, as HFPolicy._generate hands them over (STREAMRL_TEST_DEVICE=cuda)
+    ids, mask, u = ids.to(policy.device), mask.to(policy.device), u.to(policy.device)
     passes: list[tuple[int, int, bool]] = []  # rows, width, with a cache
     hook = lambda _m, _a, kw: passes.append(  # noqa: E731
         (kw["input_ids"].size(0), kw["input_ids"].size(1), kw.get("past_key_values") is not None)
