@@ -25,6 +25,8 @@ import threading
 import time
 from collections import Counter
 
+from streamrl.local.procs import descendants
+
 STEPS = (50, 200, 350, 500)
 
 
@@ -39,18 +41,6 @@ def _role(title: str) -> str:
     if title.startswith("rq:") or "rq.cli" in title:
         return "worker"
     return "other"
-
-
-def _tree(pid: int) -> list[int]:
-    out = [pid]
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                for child in f.read().split():
-                    out += _tree(int(child))
-    except OSError:
-        pass
-    return out
 
 
 def _runnable(pids: list[int]) -> list[str]:
@@ -79,7 +69,7 @@ def _sample_threads(root: int, out: list, stop: threading.Event) -> None:
     while not stop.is_set():
         now = time.time()
         if now - listed > 0.5:  # processes start and end rarely; threads are read each time
-            pids, listed = _tree(root), now
+            pids, listed = [root, *descendants(root)], now
         out.append((now, _runnable(pids)))
         time.sleep(0.002)
 

@@ -52,12 +52,6 @@ RUN = "demo"
 DEMO_CONFIG = Path(__file__).parent.parent / "configs" / "copy-tiny.toml"
 # one thread per process: the learner and two rollout workers share a laptop's cores
 _THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-# The workers' and the producer's nice value. Mid-run the learner is the critical path: on two
-# cores it was runnable ~95 % of the time yet, sharing them evenly with workers that run ahead
-# to the admission window and then wait, it ran only ~75 % of it. At the lowest priority the
-# workers take what the learner leaves, and all of both cores while it waits for data
-# (docs/benchmarks.md, "The learner first"). Redis stays at the learner's priority.
-WORKER_NICE = DEMO_WORKER_NICE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,7 +74,13 @@ class DemoOptions:
     policy_options: Mapping[str, Any] = field(default_factory=dict)  # over [policy] options
     # the in-flight window in learner batches, instead of the learner's max_staleness + 1
     admission_batches: int | None = None
-    worker_nice: int = WORKER_NICE  # 0: the workers and the producer as the learner
+    # The workers' and the producer's nice value (0: the learner's). Mid-run the learner is
+    # the critical path: on two cores it was runnable ~95 % of the time yet, sharing them
+    # evenly with workers that run ahead to the admission window and then wait, it ran only
+    # ~75 % of it. At the lowest priority the workers take what the learner leaves, and both
+    # cores while it waits for data (docs/benchmarks.md, "The learner first"). Redis, the
+    # fork server and the learner stay at 0.
+    worker_nice: int = DEMO_WORKER_NICE
 
 
 def learner_toml(cfg: RunConfig) -> str:
@@ -232,7 +232,7 @@ def _start_producer(
         admission(n)
 
     def produce() -> None:
-        with contextlib.suppress(OSError):  # this thread only (Linux): see WORKER_NICE
+        with contextlib.suppress(OSError):  # this thread only (Linux): see worker_nice
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), opts.worker_nice)
         try:
             Producer(p.r, RUN, admission=admit, batch_samples=batch).from_env(

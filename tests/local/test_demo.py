@@ -18,14 +18,9 @@ import psutil
 import pytest
 
 from streamrl.config import load_toml
+from streamrl.defaults import DEMO_WORKER_NICE
 from streamrl.learner.config import load_learner_config
-from streamrl.local.demo import (
-    DEMO_CONFIG,
-    WORKER_NICE,
-    DemoOptions,
-    learner_toml,
-    train_demo,
-)
+from streamrl.local.demo import DEMO_CONFIG, DemoOptions, learner_toml, train_demo
 from streamrl.local.procs import descendants, stop_all
 from tests.support.waiting import wait_for
 
@@ -110,10 +105,10 @@ def test_sigterm_stops_the_demo_and_everything_it_started(subprocess_env):
         )
         started = descendants(proc.pid)
         assert len(started) >= 6  # redis, verifier, fork server, learner, 2 rollout workers
-        # the learner first (demo.WORKER_NICE): every worker thread, work horses included, at
+        # the learner first (DemoOptions.worker_nice): every worker thread, work horses included, at
         # the lowest priority; the learner, Redis and the fork server as they were
         nice = _nice_by_role(started)
-        assert nice["worker"] == {WORKER_NICE} and nice["learner"] == {0}, nice
+        assert nice["worker"] == {DEMO_WORKER_NICE} and nice["learner"] == {0}, nice
         assert nice["redis"] == {0} and nice["prefork"] == {0}, nice
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=90)
