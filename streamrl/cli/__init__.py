@@ -4,6 +4,13 @@ commands of each family registered from the modules beside this one."""
 from __future__ import annotations
 
 import os
+import sys
+
+from streamrl.local import prefork
+
+# `streamrl demo`: its fork server's imports, the demo's start-up critical path, begin before
+# this module's own
+prefork.start_early(sys.argv)
 
 import click
 

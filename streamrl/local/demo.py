@@ -47,11 +47,12 @@ from streamrl.workers import leases
 from streamrl.workers.context import write_config
 
 RUN = "demo"
+# how often the live loop reads new rewards and checks the target: the moment the target is
+# noticed is the demo's time to it (`bench vs-trl`), late by half of this on average
+_POLL_S = 0.05
 # What the demo runs: the shipped config the README's Training section runs by hand, so the
 # two cannot drift apart. Only the model directory, the run name and the output dir differ.
 DEMO_CONFIG = Path(__file__).parent.parent / "configs" / "copy-tiny.toml"
-# one thread per process: the learner and two rollout workers share a laptop's cores
-_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,10 +129,11 @@ def train_demo(opts: DemoOptions = DemoOptions()) -> dict:
     pipeline = LocalPipeline(cfg, directory=opts.directory, scratch=memory_scratch())
     model_dir = pipeline.dir / "model"
     cfg.policy.model = str(model_dir)
-    env = {**os.environ, **_THREADS}
+    env = {**os.environ, **prefork.THREADS}
     # torch and transformers imported once, by a fork server, while Redis starts; the
     # learner and the rollout workers are forked from it (see streamrl.local.prefork)
-    forks = Prefork(env=_THREADS) if prefork.enabled() else None
+    # (already started when the command line began: prefork.start_early)
+    forks = (prefork.take_early() or Prefork(env=prefork.THREADS)) if prefork.enabled() else None
     with pipeline as p:
         _start_workers(p, forks, env, model_dir, opts.rollout_workers, opts.worker_nice)
         config_path = _write_config(p, cfg, opts)
@@ -281,7 +283,7 @@ def _watch(
                 view.update(_frame(feed, collect(p.r, RUN), progress.started, progress.recent))
             if progress.at_target(opts.target, step) and opts.stop_at_target:
                 break
-            time.sleep(0.25)
+            time.sleep(_POLL_S)
 
 
 def _shut_down(p: LocalPipeline, learner: Any, forks: Prefork | None) -> dict[str, float]:

@@ -48,8 +48,49 @@ _PRELOAD = [
 ]
 
 
+# one thread per process: the demo's learner and two rollout workers share a laptop's cores
+# (set before torch is imported, so in the server's environment)
+THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# the ``streamrl`` group's options that take a value (``--opt value``), for ``demo_argv``
+_VALUE_OPTIONS = {"--redis", "--control-redis", "--run", "--run-dir", "--log-format"}
+
+_early: Prefork | None = None  # started by ``start_early``, taken by the demo
+
+
 def enabled() -> bool:
     return os.environ.get("STREAMRL_PREFORK", "1") != "0"
+
+
+def demo_argv(argv: list[str]) -> bool:
+    """Whether ``argv`` runs ``streamrl demo`` (by its script or ``python -m streamrl.cli``,
+    where ``argv[0]`` is ``-m`` while the package is imported), and not its ``--help``."""
+    if not argv or os.path.basename(argv[0]) not in ("-m", "streamrl"):
+        return False
+    args = iter(argv[1:])
+    for arg in args:
+        if arg in _VALUE_OPTIONS:
+            next(args, None)
+        elif not arg.startswith("-"):
+            rest = argv[argv.index(arg) + 1 :] if arg == "demo" else []
+            return arg == "demo" and not {"--help", "-h"} & set(rest)
+    return False
+
+
+def start_early(argv: list[str]) -> None:
+    """Start the demo's fork server now when ``argv`` runs the demo. Called before the command
+    line imports its own modules (~0.35 s on one core): the server's torch and transformers
+    imports (~3.3 s) are the demo's start-up critical path, and the other core is free for the
+    command line meanwhile. A server no demo takes ends with this process."""
+    global _early
+    if _early is None and enabled() and demo_argv(argv):
+        _early = Prefork(env=THREADS)
+
+
+def take_early() -> Prefork | None:
+    """The server ``start_early`` started (once), or None."""
+    global _early
+    forks, _early = _early, None
+    return forks
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.local.prefork import Forked, Prefork
+from streamrl.local.prefork import Forked, Prefork, demo_argv
 from streamrl.local.procs import descendants
 from tests.support.waiting import wait_for
 
@@ -113,3 +113,51 @@ def test_a_script_without_a_main_guard_is_not_run_again(tmp_path, subprocess_env
     )  # fmt: skip
     assert done.stdout.splitlines() == ["script ran", "child exit 5"], done.stderr[-2000:]
     assert "argv=['exit', '5']" in (tmp_path / "child.log").read_text()
+
+
+@pytest.mark.parametrize(
+    ("argv", "demo"),
+    [
+        (["-m", "demo", "--json"], True),  # python -m streamrl.cli demo, while it is imported
+        (["/venv/bin/streamrl", "demo"], True),
+        (["streamrl", "--redis", "redis://h:1", "--run", "r", "--debug", "demo"], True),
+        (["streamrl", "--run=demo", "status"], False),
+        (["streamrl", "--run", "demo", "status"], False),  # a run named demo
+        (["streamrl", "demo", "--help"], False),
+        (["streamrl", "status", "demo"], False),
+        (["streamrl"], False),
+        (["-c", "demo"], False),  # python -c ...: not the command line
+        (["/usr/bin/pytest", "demo"], False),
+    ],
+)
+def test_demo_argv_tells_the_demo_from_every_other_command(argv, demo):
+    assert demo_argv(argv) is demo
+
+
+_EARLY = (
+    "import sys; sys.argv = {argv!r}; import streamrl.cli; "
+    "from streamrl.local import prefork; forks = prefork.take_early(); "
+    "print(forks is not None and forks.server_pid is not None)"
+)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "early"),
+    [
+        (["-m", "demo", "--seconds", "1"], {}, True),
+        (["-m", "status"], {}, False),
+        (["-m", "demo"], {"STREAMRL_PREFORK": "0"}, False),
+    ],
+)
+def test_the_command_line_starts_the_demos_fork_server_before_its_own_imports(
+    subprocess_env, argv, env, early
+):
+    """Importing the command line for `streamrl demo` has started the fork server (whose
+    imports are the demo's start-up critical path); for any other command, or with prefork
+    off, it has not."""
+    out = subprocess.run(
+        [sys.executable, "-c", _EARLY.format(argv=argv)],
+        env={**subprocess_env, **env}, capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(early)
