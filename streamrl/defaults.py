@@ -146,6 +146,9 @@ ADMISSION_MAX_DROP_FRACTION = 0.9
 ADMISSION_REDIS_MEMORY_MB = 1024.0
 ADMISSION_MAXMEMORY_FRACTION = 0.8
 ADMISSION_MEMORY_CHECK_S = 0.5
+# a push goes on a reading under ADMISSION_MEMORY_CHECK_S old while that reading, with every
+# sample pushed since and the push, stays under this share of the budget; nearer, it reads anew
+ADMISSION_MEMORY_FAR = 0.5
 # bytes a sample is assumed to cost at a stage whose stream has no entry yet to measure
 ADMISSION_SAMPLE_BYTES_PRIOR = 2048
 ADMISSION_DROP_PROBE_S = 60.0

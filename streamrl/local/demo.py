@@ -134,20 +134,27 @@ def train_demo(opts: DemoOptions = DemoOptions()) -> dict:
     # learner and the rollout workers are forked from it (see streamrl.local.prefork)
     # (already started when the command line began: prefork.start_early)
     forks = (prefork.take_early() or Prefork(env=prefork.THREADS)) if prefork.enabled() else None
+    stop = threading.Event()  # the producer thread's
     with pipeline as p:
-        _start_workers(p, forks, env, model_dir, opts.rollout_workers, opts.worker_nice)
-        config_path = _write_config(p, cfg, opts)
-        console.print(
-            f"[bold]streamrl demo[/]: tiny Llama learning `{cfg.env}` - Redis {p.url}, "
-            f"config {config_path}, logs {p.dir}/logs"
-        )
-        console.print(f"in a browser: streamrl --redis {p.url} --run {RUN} view", soft_wrap=True)
-        learner = _start_learner(p, forks, env, config_path)
-        # the model exists now: one lease per worker, without waiting for their idle poll
-        leases.top_up(p.r, ROLLOUT_QUEUE, RUN, waiting=opts.rollout_workers)
-        leases.top_up(p.r, VERIFY_QUEUE, RUN, waiting=1)
-        stop = threading.Event()
-        _start_producer(p, cfg, opts, stop)
+        try:
+            config_path = _write_config(p, cfg, opts)
+            _start_producer(p, cfg, opts, stop)  # prompts wait in Redis while the imports run
+            _start_workers(p, forks, env, model_dir, opts.rollout_workers, opts.worker_nice)
+            console.print(
+                f"[bold]streamrl demo[/]: tiny Llama learning `{cfg.env}` - Redis {p.url}, "
+                f"config {config_path}, logs {p.dir}/logs"
+            )
+            console.print(
+                f"in a browser: streamrl --redis {p.url} --run {RUN} view", soft_wrap=True
+            )
+            # the model exists now: one lease per worker, without waiting for their idle
+            # poll, and rollouts under way while the learner loads
+            leases.top_up(p.r, ROLLOUT_QUEUE, RUN, waiting=opts.rollout_workers)
+            leases.top_up(p.r, VERIFY_QUEUE, RUN, waiting=1)
+            learner = _start_learner(p, forks, env, config_path)
+        except BaseException:
+            stop.set()
+            raise
         feed = RewardFeed(p.r, RUN, start="0-0")
         try:
             _watch(p, learner, feed, progress, opts, console)

@@ -150,6 +150,7 @@ class LearnerAdmission:
     @redis_memory_mb.setter
     def redis_memory_mb(self, value: float) -> None:  # a test lifts the budget mid-run
         self._memory_budget.redis_memory_mb = value
+        self._memory_budget.forget()
 
     # ------------------------------------------------------------------ readings
     def gate(self) -> Gate:
@@ -195,16 +196,16 @@ class LearnerAdmission:
     def __call__(self, n: int) -> None:
         now = time.monotonic()
         wait = _Wait(start=now, since=time.time(), counted=now, told=now)
-        fresh = True  # admit only on a memory reading taken just now
+        fresh = False  # a recent reading will do while the budget is far (MemoryBudget.enough)
         while True:
             gate = self.gate()
             mem = self.memory(gate, fresh=fresh)
             held = self.hold(n, gate, mem, wait.since)
             now = time.monotonic()
             if held is None:
-                if fresh or mem is None:
+                if self._memory_budget.enough(n, gate.pushed):
                     break
-                fresh = True
+                fresh = True  # near the budget: admit only on a reading taken just now
                 continue
             fresh = False
             if self._while_held(held, gate, mem, wait, now):

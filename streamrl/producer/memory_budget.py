@@ -4,10 +4,12 @@ The budget is ``redis_memory_mb`` MiB or ``0.8 x maxmemory``, the smaller. A sam
 little as a task and several times more once its trajectory, score and group entry are
 written, so the gate projects: ``used_memory`` now, plus what the samples already in flight
 will add (per stage, the stream's measured bytes per entry), plus the ``n`` samples asked
-for, each at its measured whole-pipeline cost. Memory is read before every push and at most
-every ``check_s`` while held. It falls as streams are trimmed behind their slowest consumer;
-while held on memory the producer trims too, with no retention window (the replay window
-gives way to the budget).
+for, each at its measured whole-pipeline cost. Memory is read at most every ``check_s``, and
+again before a push unless the latest reading, with every sample pushed since and the push,
+stays under ``ADMISSION_MEMORY_FAR`` (half) of the budget: a reading is an ``INFO`` and ten
+stream commands, and a run far from its budget made two a push. Memory falls as streams are
+trimmed behind their slowest consumer; while held on memory the producer trims too, with no
+retention window (the replay window gives way to the budget).
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ class MemoryBudget:
         self.redis_memory_mb = redis_memory_mb
         self.check_s = check_s
         self.last: Memory | None = None  # the latest reading
+        self.current = False  # ``last`` was read by the latest ``read`` call
         self._read_at = -math.inf
+        self._pushed_at_read = 0  # ``pushed`` when ``last`` was read
         self._trimmed_at = -math.inf
 
     def read(self, shards: list[Keys], pushed: int, fresh: bool = False) -> Memory | None:
@@ -59,8 +63,9 @@ class MemoryBudget:
         will still add to it; read when ``fresh``, else at most every ``check_s``."""
         now = time.monotonic()
         if not fresh and now - self._read_at < self.check_s:
+            self.current = False
             return self.last
-        self._read_at = now
+        self._read_at, self._pushed_at_read, self.current = now, pushed, True
         info = _memory_info(self.r)
         budget = _budget(info, self.redis_memory_mb)
         # the stages (ten commands a shard) only for a budget to project against
@@ -70,6 +75,20 @@ class MemoryBudget:
             else self._project(info, budget, _read_stages(self.r, shards), pushed)
         )
         return self.last
+
+    def enough(self, n: int, pushed: int) -> bool:
+        """Whether a push of ``n`` samples may go on the latest reading (no budget counts):
+        it was just taken, or it leaves the budget far from reach (``ADMISSION_MEMORY_FAR``)
+        with the samples pushed since (``pushed`` now) and these ``n``."""
+        m = self.last
+        if self.current or m is None:
+            return True
+        since = max(0, pushed - self._pushed_at_read)
+        return m.used + m.coming + (since + n) * m.per_sample < m.budget * d.ADMISSION_MEMORY_FAR
+
+    def forget(self) -> None:
+        """The next ``read`` reads (the budget changed)."""
+        self.last, self.current, self._read_at = None, False, -math.inf
 
     def _project(
         self, info: dict[str, Any], budget: tuple[int, str], stages: _Stages, pushed: int

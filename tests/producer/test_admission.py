@@ -317,6 +317,28 @@ def test_memory_budget_follows_maxmemory(r, run_name):
         r.config_set("maxmemory", "0")
 
 
+def _info_calls(r) -> int:
+    return int(r.info("commandstats").get("cmdstat_info", {}).get("calls", 0))
+
+
+@pytest.mark.parametrize("far", [True, False])
+def test_memory_is_read_again_before_a_push_only_near_the_budget(r, run_name, far):
+    """Far from its budget a push goes on a reading under ``memory_check_s`` old (one every
+    push was an INFO and ten stream commands, twice a push); within half of it, every push
+    reads memory anew first."""
+    _ballast(r, 4)
+    used = r.info("memory")["used_memory"] / 2**20
+    budget = used * 4 if far else used * 1.5  # the reading leaves 75 % or 33 % of it free
+    adm = LearnerAdmission(r, run_name, G, limit=10**6, redis_memory_mb=budget,
+                           memory_check_s=3600)  # fmt: skip
+    p = Producer(r, run_name, admission=adm, batch_samples=2 * G)
+    before = _info_calls(r) + 1  # the info call above counts itself
+    p.from_env(make_env("counter"), 20, G)  # ten pushes of two prompts
+    assert pushed(r, run_name) == 20 * G
+    readings = _info_calls(r) - before
+    assert readings == (1 if far else 10), readings
+
+
 # ---------------------------------------------------------------------------- liveness
 
 
