@@ -66,13 +66,11 @@ def demo_argv(argv: list[str]) -> bool:
     where ``argv[0]`` is ``-m`` while the package is imported), and not its ``--help``."""
     if not argv or os.path.basename(argv[0]) not in ("-m", "streamrl"):
         return False
-    args = iter(argv[1:])
-    for arg in args:
-        if arg in _VALUE_OPTIONS:
-            next(args, None)
-        elif not arg.startswith("-"):
-            rest = argv[argv.index(arg) + 1 :] if arg == "demo" else []
-            return arg == "demo" and not {"--help", "-h"} & set(rest)
+    args, i = argv[1:], 0
+    while i < len(args):  # the group's options, then the command
+        if not args[i].startswith("-"):
+            return args[i] == "demo" and "--help" not in args[i + 1 :]
+        i += 2 if args[i] in _VALUE_OPTIONS else 1
     return False
 
 

@@ -123,6 +123,8 @@ def test_a_script_without_a_main_guard_is_not_run_again(tmp_path, subprocess_env
         (["streamrl", "--redis", "redis://h:1", "--run", "r", "--debug", "demo"], True),
         (["streamrl", "--run=demo", "status"], False),
         (["streamrl", "--run", "demo", "status"], False),  # a run named demo
+        (["streamrl", "--run", "demo", "demo", "--json"], True),
+        (["streamrl", "--run", "demo", "demo", "--help"], False),
         (["streamrl", "demo", "--help"], False),
         (["streamrl", "status", "demo"], False),
         (["streamrl"], False),
