@@ -25,7 +25,7 @@ import threading
 import time
 from collections import Counter
 
-from streamrl.local.procs import descendants
+from streamrl.local.procs import descendants, role_of
 
 STEPS = (50, 200, 350, 500)
 
@@ -35,14 +35,6 @@ def seconds_at(timeline: list[list[float]], steps: tuple[int, ...] = STEPS) -> d
     return {s: next((round(t, 2) for t, step, *_ in timeline if step >= s), None) for s in steps}
 
 
-def _role(title: str) -> str:
-    if "streamrl.cli learn" in title:
-        return "learner"
-    if title.startswith("rq:") or "rq.cli" in title:
-        return "worker"
-    return "other"
-
-
 def _runnable(pids: list[int]) -> list[str]:
     """The roles of the threads of ``pids`` in state R (running or waiting for a CPU)."""
     roles = []
@@ -50,7 +42,7 @@ def _runnable(pids: list[int]) -> list[str]:
         try:
             tids = os.listdir(f"/proc/{pid}/task")
             with open(f"/proc/{pid}/cmdline") as f:
-                role = _role(f.read().replace("\0", " "))
+                role = role_of(f.read().replace("\0", " "))
         except OSError:
             continue
         for tid in tids:

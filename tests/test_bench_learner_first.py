@@ -36,11 +36,3 @@ def test_thread_shares_counts_only_the_window_and_tells_the_learner_alone():
         "learner_alone": 0.4,
     }
     assert mod.thread_shares(samples, 20.0, 30.0) == {}
-
-
-def test_roles_from_process_titles():
-    mod = _module()
-    assert mod._role("/venv/bin/python -m streamrl.cli learn --config x.toml") == "learner"
-    assert mod._role("rq:worker:srl-rollout-1-99-abc: Processing streamrl...") == "worker"
-    assert mod._role("/venv/bin/python -m rq.cli worker -u redis://x srl-verify") == "worker"
-    assert mod._role("/usr/bin/redis-server 127.0.0.1:6400") == "other"

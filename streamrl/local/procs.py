@@ -46,6 +46,20 @@ def lower_priority(pid: int, nice: int) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, nice)
 
 
+def role_of(title: str) -> str:
+    """What a process of a local pipeline is, from its command line or title (``ps``): learner,
+    worker (an rq worker or work horse), redis, prefork (the demo's fork server) or other."""
+    if "streamrl.cli learn" in title:
+        return "learner"
+    if title.startswith("rq:") or "rq.cli" in title:
+        return "worker"
+    if "redis-server" in title:
+        return "redis"
+    if title.startswith("streamrl prefork server"):
+        return "prefork"
+    return "other"
+
+
 def descendants(pid: int) -> list[int]:
     """Every living descendant of ``pid`` (none once it is gone)."""
     try:

@@ -21,7 +21,7 @@ from streamrl.config import load_toml
 from streamrl.defaults import DEMO_WORKER_NICE
 from streamrl.learner.config import load_learner_config
 from streamrl.local.demo import DEMO_CONFIG, DemoOptions, learner_toml, train_demo
-from streamrl.local.procs import descendants, stop_all
+from streamrl.local.procs import descendants, role_of, stop_all
 from tests.support.waiting import wait_for
 
 
@@ -131,14 +131,7 @@ def _nice_by_role(pids: list[int]) -> dict[str, set[int]]:
     out: dict[str, set[int]] = {}
     for pid in pids:
         with contextlib.suppress(psutil.NoSuchProcess):
-            title = " ".join(psutil.Process(pid).cmdline())
-            role = (
-                "learner" if "streamrl.cli learn" in title
-                else "worker" if "rq" in title.split(":")[0] or "rq.cli" in title
-                else "redis" if "redis-server" in title
-                else "prefork" if "prefork" in title
-                else title
-            )  # fmt: skip
+            role = role_of(" ".join(psutil.Process(pid).cmdline()))
             for t in psutil.Process(pid).threads():
                 out.setdefault(role, set()).add(os.getpriority(os.PRIO_PROCESS, t.id))
     return out

@@ -136,6 +136,16 @@ def test_demo_argv_tells_the_demo_from_every_other_command(argv, demo):
     assert demo_argv(argv) is demo
 
 
+def test_demo_argv_knows_every_option_of_the_group_that_takes_a_value():
+    """``demo_argv`` runs before click has parsed anything, so it keeps its own list of the
+    group's options that take a value: the list must be the group's."""
+    from streamrl.cli import main
+    from streamrl.local.prefork import _VALUE_OPTIONS
+
+    takes_value = {name for p in main.params if not getattr(p, "is_flag", False) for name in p.opts}
+    assert takes_value == _VALUE_OPTIONS
+
+
 _EARLY = (
     "import sys; sys.argv = {argv!r}; import streamrl.cli; "
     "from streamrl.local import prefork; forks = prefork.take_early(); "

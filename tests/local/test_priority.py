@@ -1,5 +1,6 @@
 """`procs.lower_priority`: every thread of a running process gets the nice value, and what it
-starts afterwards inherits it (the demo's workers fork their work horses after it is set)."""
+starts afterwards inherits it (the demo's workers fork their work horses after it is set);
+`procs.role_of`: which of the demo's processes one is, by its title."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 import psutil
 import pytest
 
-from streamrl.local.procs import lower_priority, stop_all
+from streamrl.local.procs import lower_priority, role_of, stop_all
 
 # a child with a second thread already running, which then, told to on stdin, forks a
 # grandchild and prints the grandchild's nice value
@@ -52,3 +53,12 @@ def test_a_process_that_is_gone_is_no_error():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     lower_priority(proc.pid, 5)  # reaped: nothing to do, nothing raised
+
+
+def test_roles_from_process_titles():
+    assert role_of("/venv/bin/python -m streamrl.cli learn --config x.toml") == "learner"
+    assert role_of("rq:worker:srl-rollout-1-99-abc: Processing streamrl...") == "worker"
+    assert role_of("/venv/bin/python -m rq.cli worker -u redis://x srl-verify") == "worker"
+    assert role_of("/usr/bin/redis-server 127.0.0.1:6400") == "redis"
+    assert role_of("streamrl prefork server (for pid 123)") == "prefork"
+    assert role_of("/venv/bin/python -m streamrl.cli demo --json") == "other"
