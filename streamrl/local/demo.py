@@ -176,11 +176,12 @@ def _start_workers(
     procs = p.procs
     assert procs is not None
     procs.env = env
+    procs.nice = nice  # born at it: threads started before a later lowering would escape it
     started = []
     if forks is not None:
         started += p.start_workers(rollout=0, verify=1, top_up=False)  # no torch needed
         forks.call(save_tiny, model_dir)  # waits for the server's imports
-        procs.launcher = lambda argv, log, env_: forks.popen(argv, log, env_, True)
+        procs.launcher = lambda argv, log, env_: forks.popen(argv, log, env_, True, nice)
         started += p.start_workers(rollout=rollout, verify=0, top_up=False)
     else:
         # start-up in parallel: the workers import torch and transformers
@@ -190,7 +191,7 @@ def _start_workers(
         procs.env = env
         started += p.start_workers(rollout=0, verify=1, top_up=False)
         save_tiny(model_dir)
-    for proc in started:  # before any lease: their work horses are forked at this value
+    for proc in started:  # where the system set it otherwise (nice was not above ours)
         lower_priority(proc.pid, nice)
 
 

@@ -142,9 +142,14 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
-def _child(argv: list[str], env: dict[str, str], log: str | None, new_session: bool) -> None:
+def _child(
+    argv: list[str], env: dict[str, str], log: str | None, new_session: bool, nice: int | None
+) -> None:
     """In the forked child: become ``python -m <module> <args>`` with ``env``, writing to
-    ``log``."""
+    ``log``, at nice value ``nice`` (its one thread now: every later one inherits it)."""
+    if nice is not None:
+        with contextlib.suppress(OSError):  # only raised unprivileged, as lower_priority
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
     if new_session:
         os.setsid()
     fd = os.open(log or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -212,15 +217,20 @@ class Prefork:
         log: str | Path | None = None,
         env: dict[str, str] | None = None,
         new_session: bool = False,
+        nice: int | None = None,
     ) -> Forked:
         """Like ``subprocess.Popen(argv, stdout=log, stderr=STDOUT, env=env)`` for an argv of
         the form ``[python, "-m", module, *args]``; blocks until the server has forked (the
-        first call waits for its imports)."""
+        first call waits for its imports). ``nice``: the child's nice value, set before it runs
+        anything (a child of the server starts its threads within milliseconds, before a
+        caller could lower them)."""
         if argv[1:2] != ["-m"]:
             raise ValueError(f"prefork runs `python -m module ...` commands, not {argv[:3]}")
         env = dict(os.environ if env is None else env)
         proc = self._ctx.Process(
-            target=_child, args=(argv, env, str(log) if log else None, new_session), daemon=False
+            target=_child,
+            args=(argv, env, str(log) if log else None, new_session, nice),
+            daemon=False,
         )
         with _without_main():
             proc.start()

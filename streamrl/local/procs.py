@@ -31,6 +31,16 @@ def rq_worker_cmd(url: str, queue: str, name: str | None = None, quiet: bool = T
     return cmd
 
 
+def at_nice(cmd: list[str], nice: int | None) -> list[str]:
+    """``cmd`` to be started at nice value ``nice`` (through ``nice -n``, so that the value is
+    set before the program starts its first thread); unchanged where ``nice`` is None or not
+    above this process's own (lowering it takes privileges)."""
+    if nice is None:
+        return cmd
+    step = nice - os.getpriority(os.PRIO_PROCESS, 0)
+    return ["nice", "-n", str(step), *cmd] if step > 0 else cmd
+
+
 def lower_priority(pid: int, nice: int) -> None:
     """Give every thread of ``pid`` the nice value ``nice`` (on Linux a nice value is per
     thread); the threads and processes it starts later inherit it. Nothing happens where the
@@ -115,6 +125,9 @@ class WorkerProcs:
         # how a worker process is started: `subprocess.Popen` unless set (the demo forks its
         # torch workers from a fork server, streamrl.local.prefork); (argv, log, env) -> Popen-like
         self.launcher: Callable[[list[str], Path | None, dict | None], Any] | None = None
+        # the nice value workers it starts with `subprocess.Popen` are born at (a launcher
+        # sets its own)
+        self.nice: int | None = None
 
     def start(self, queue: str, n: int, prefix: str = "",
               env: dict[str, str] | None = None) -> list[subprocess.Popen]:  # fmt: skip
@@ -134,7 +147,7 @@ class WorkerProcs:
                 p = self.launcher(cmd, log, proc_env)
             else:
                 p = subprocess.Popen(
-                    cmd,
+                    at_nice(cmd, self.nice),
                     stdout=open(log, "ab") if log else subprocess.DEVNULL,  # noqa: SIM115
                     stderr=subprocess.STDOUT,
                     start_new_session=True,

@@ -36,6 +36,17 @@ def test_child_runs_the_module_with_its_argv_env_and_log(forks, tmp_path):
     text = log.read_text()
     assert "argv=['exit', '3'] env=yes torch=True" in text, text  # torch came from the server
     assert "session_leader=False" in text
+    assert "nice=0" in text
+
+
+def test_a_child_is_born_at_its_nice_value(forks, tmp_path):
+    """Set in the child before it runs the module: a caller lowering it after the fork would be
+    late for the threads a preloaded role starts in its first milliseconds."""
+    log = tmp_path / "child.log"
+    p = forks.popen(_argv("exit", "0"), log, env={}, nice=7)
+    assert p.wait(timeout=60) == 0
+    assert "nice=7" in log.read_text()
+    assert os.getpriority(os.PRIO_PROCESS, forks.server_pid or 0) == 0  # the server as it was
 
 
 def test_new_session_and_signals_reach_the_child(forks, tmp_path):

@@ -1,5 +1,6 @@
 """`procs.lower_priority`: every thread of a running process gets the nice value, and what it
 starts afterwards inherits it (the demo's workers fork their work horses after it is set);
+`procs.at_nice`: a command born at a nice value;
 `procs.role_of`: which of the demo's processes one is, by its title."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 import psutil
 import pytest
 
-from streamrl.local.procs import lower_priority, role_of, stop_all
+from streamrl.local.procs import at_nice, lower_priority, role_of, stop_all
 
 # a child with a second thread already running, which then, told to on stdin, forks a
 # grandchild and prints the grandchild's nice value
@@ -53,6 +54,17 @@ def test_a_process_that_is_gone_is_no_error():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     lower_priority(proc.pid, 5)  # reaped: nothing to do, nothing raised
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values")
+def test_a_command_at_nice_is_started_at_that_value():
+    """The value is the program's from its first instruction (`nice -n`), not set after it has
+    started threads; asking for this process's own value or None changes nothing."""
+    cmd = [sys.executable, "-c", "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"]
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    assert at_nice(cmd, None) == cmd and at_nice(cmd, ours) == cmd
+    out = subprocess.run(at_nice(cmd, ours + 6), capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(ours + 6)
 
 
 def test_roles_from_process_titles():
