@@ -28,6 +28,8 @@ from streamrl.cli.run import produce, up, worker
 from streamrl.cli.sandbox import sandbox_group
 from streamrl.cli.streams import export, replay, reverify, trim
 
+_EXIT_SIGPIPE = 141
+
 
 class Group(click.Group):
     """No traceback reaches a user: an error that no command turned into a message becomes
@@ -41,6 +43,12 @@ class Group(click.Group):
             raise
         except (RunFaulted, EvictingRedis) as e:
             raise click.ClickException(str(e)) from None
+        except BrokenPipeError:
+            # the reader of our output is gone (`streamrl watch | head`, or a Ctrl-C or
+            # `kill` that reached the whole pipeline): end as `yes | head` does, quietly,
+            # with 128 + SIGPIPE; stdout on /dev/null so that the exit's flush is quiet too
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            ctx.exit(_EXIT_SIGPIPE)
         except Exception as e:
             if ctx.params.get("debug") or os.environ.get("STREAMRL_DEBUG", "") not in ("", "0"):
                 raise

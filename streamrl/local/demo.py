@@ -154,6 +154,8 @@ def train_demo(opts: DemoOptions = DemoOptions()) -> dict:
             learner = _start_learner(p, forks, env, config_path)
         except BaseException:
             stop.set()
+            if forks is not None:
+                forks.stop()  # before the run's directory goes: nothing forked into it later
             raise
         feed = RewardFeed(p.r, RUN, start="0-0")
         try:
@@ -163,6 +165,8 @@ def train_demo(opts: DemoOptions = DemoOptions()) -> dict:
         finally:
             stop.set()
             cpu = _shut_down(p, learner, forks)
+            if forks is not None:
+                forks.stop()
         return _result(collect(p.r, RUN)["learner"], feed, progress, opts.target, cpu)
 
 

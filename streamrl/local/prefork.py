@@ -24,11 +24,13 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 from setproctitle import setproctitle, setthreadtitle
 
 # What the roles import before their first useful line; a module missing here is simply
@@ -107,11 +109,20 @@ def _environ(extra: dict[str, str]) -> Iterator[None]:
 
 class Forked:
     """``subprocess.Popen``'s surface (pid, poll, wait, send_signal, kill) for a process forked
-    by the server, so the demo and ``procs`` handle both kinds alike."""
+    by the server, so the demo and ``procs`` handle both kinds alike.
+
+    The exit status comes through the server; a server that is gone (a signal to the demo's
+    whole process group reaches it, while the workers sit in sessions of their own) reports
+    every child as exited with 255. The child is then followed by its PID (psutil checks it
+    is the same process), so a caller still stops, and waits for, what is alive."""
 
     def __init__(self, proc: Any, args: list[str]):
         self._proc = proc
         self.args = args
+        try:
+            self._ps: psutil.Process | None = psutil.Process(proc.pid)
+        except psutil.NoSuchProcess:  # already gone (and reaped by the server)
+            self._ps = None
 
     @property
     def pid(self) -> int:
@@ -119,19 +130,34 @@ class Forked:
 
     @property
     def returncode(self) -> int | None:
-        return self._proc.exitcode
+        return self.poll()
+
+    def _orphan_alive(self) -> bool:
+        """Whether the child outlived the server that forked it."""
+        if self._ps is None:
+            return False
+        try:
+            return self._ps.is_running() and self._ps.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
 
     def poll(self) -> int | None:
-        return self._proc.exitcode
+        code = self._proc.exitcode
+        if code is None or self._orphan_alive():
+            return None
+        return code
 
     def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._proc.join(timeout)
-        if self._proc.exitcode is None:
-            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        while self.poll() is None:  # an orphan: reaped by init, watched here by PID
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            time.sleep(0.05)
         return self._proc.exitcode
 
     def send_signal(self, sig: int) -> None:
-        if self._proc.exitcode is None:
+        if self.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
 
@@ -236,13 +262,32 @@ class Prefork:
             proc.start()
         return Forked(proc, argv)
 
+    def stop(self) -> None:
+        """End the server now. A fork asked of it while it still imports is served once the
+        imports are done, even after the asker gave up: a demo interrupted in its first
+        seconds had its model written into a directory it had already removed. The children
+        it has forked live on; a later ``popen`` starts a new server."""
+        pid = self.server_pid
+        if pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        forget = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
+        if forget is not None:  # the standard library's own: reaps it, forgets its socket
+            forget()
+
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> None:
         """Run ``fn(*args)`` in a forked child (one that needs the preloaded imports) and
         wait for it."""
         proc = self._ctx.Process(target=_call, args=(fn, args))
         with _without_main():
             proc.start()
-        proc.join(timeout)
+        try:
+            proc.join(timeout)
+        except BaseException:  # Ctrl-C or `kill` at start-up: the caller removes its files
+            proc.kill()  # next, which this child would still be writing
+            proc.join(5)
+            raise
         if proc.exitcode != 0:
             if proc.exitcode is None:
                 proc.kill()

@@ -161,3 +161,38 @@ def test_stream_ids_that_replay_takes(redis_url, subprocess_env, tmp_path):
         done = run_cli([*base, "replay", stage, "--from", offset], subprocess_env)
         assert done.returncode == 0, done.stderr
         assert f"after {offset}" in done.stdout
+
+
+# a command added to the real group that prints more than a pipe holds, so that the write
+# fails while the command runs (a small output would fail only in the exit's flush)
+_LONG_OUTPUT = """
+import click
+from streamrl.cli import main
+
+@main.command("long-output")
+def long_output():
+    click.echo("x" * 4_000_000)
+
+main()
+"""
+
+
+def test_a_reader_that_went_away_ends_the_command_quietly(subprocess_env):
+    """`streamrl demo --json | tail -1` stopped by a signal to the whole pipeline: the reader
+    dies first and the summary cannot be written. No `Error:` line, no traceback from the
+    exit's flush; the status a shell reports for `yes | head`."""
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _LONG_OUTPUT, "long-output"],
+            stdout=write, stderr=subprocess.PIPE, text=True, env=subprocess_env, timeout=60,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    assert proc.returncode == 141, proc.stderr
+    assert proc.stderr == ""

@@ -184,3 +184,80 @@ def test_the_command_line_starts_the_demos_fork_server_before_its_own_imports(
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(early)
+
+
+# a fork server killed under its children (a signal to the demo's whole process group reaches
+# the server, while the rollout workers sit in sessions of their own)
+_SERVER_KILLED = """
+import os, signal, subprocess, sys, time
+from streamrl.local.prefork import Prefork
+forks = Prefork()
+p = forks.popen([sys.executable, "-m", "tests.support.prefork_child", "wait"], None, {}, True)
+time.sleep(0.5)
+os.kill(forks.server_pid, signal.SIGKILL)
+time.sleep(0.5)
+print("poll", p.poll(), flush=True)  # the child lives on: None, not the server's 255
+try:
+    p.wait(timeout=0.5)
+    print("wait returned", flush=True)
+except subprocess.TimeoutExpired:
+    print("wait timed out", flush=True)
+p.send_signal(signal.SIGTERM)  # reaches the orphan
+print("code", p.wait(timeout=30), flush=True)
+try:
+    state = open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()[0]
+except OSError:
+    state = "gone"
+print("alive", state not in ("gone", "Z"), flush=True)
+"""
+
+
+def test_a_child_outlives_its_killed_server_and_can_still_be_stopped(subprocess_env):
+    """The demo stops its workers by asking `poll()` who is alive: with the server gone, each
+    forked child used to read as exited (255), was never stopped, and ran on after the demo."""
+    out = subprocess.run(
+        [sys.executable, "-c", _SERVER_KILLED], capture_output=True, text=True,
+        env=subprocess_env, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[:2] == ["poll None", "wait timed out"], out.stdout
+    assert lines[2].startswith("code ") and lines[3] == "alive False", out.stdout
+
+
+# a fork asked of a server that is still importing, then the server stopped (the demo
+# interrupted in its first seconds): the server is gone, so the child can never run
+_STOPPED_WHILE_IMPORTING = """
+import os, sys, threading, time
+from streamrl.local.prefork import Prefork
+marker = sys.argv[1]
+forks = Prefork()  # a new server: its imports take seconds
+pid = forks.server_pid
+def ask():
+    try:
+        forks.popen([sys.executable, "-m", "tests.support.prefork_child", "touch", marker])
+        print("forked", flush=True)
+    except Exception as e:
+        print("popen:", type(e).__name__, flush=True)
+asker = threading.Thread(target=ask, daemon=True)
+asker.start()
+time.sleep(0.3)
+forks.stop()
+asker.join(30)
+print("asker done", not asker.is_alive(), flush=True)
+print("server gone", not os.path.exists(f"/proc/{pid}"), forks.server_pid, flush=True)
+print("ran", os.path.exists(marker), flush=True)
+"""
+
+
+def test_a_stopped_server_forks_nothing_it_was_asked_for(subprocess_env, tmp_path):
+    marker = tmp_path / "ran"
+    out = subprocess.run(
+        [sys.executable, "-c", _STOPPED_WHILE_IMPORTING, str(marker)], capture_output=True,
+        text=True, env=subprocess_env, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("popen: "), out.stdout  # the asker hears the server went
+    assert lines[1:] == ["asker done True", "server gone True None", "ran False"], out.stdout
+    assert not marker.exists()
