@@ -83,14 +83,20 @@ def _alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
-def test_sigterm_stops_the_demo_and_everything_it_started(subprocess_env):
+@pytest.mark.parametrize("to_group", [False, True], ids=["demo", "process-group"])
+def test_sigterm_stops_the_demo_and_everything_it_started(subprocess_env, to_group):
     """`kill <demo>` ends it as Ctrl-C does: the learner, the forked workers, the fork server
-    and the private Redis all exit, and the summary is still printed."""
+    and the private Redis all exit, and the summary is still printed. Also when the signal
+    goes to the demo's whole process group (`kill -TERM -- -PGID`, a terminal's or a job
+    runner's way): it kills the fork server too, and its forked workers, in sessions of their
+    own, used to read as exited to the demo and ran on."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamrl.cli", "demo", "--json", "--seconds", "120"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**subprocess_env, "COLUMNS": "1000"},  # rich: the header on one line
+        start_new_session=to_group,  # a group of its own to signal, not pytest's
     )  # fmt: skip
+    started: list[int] = []
     try:
         header = ""
         while "logs " not in header:
@@ -110,20 +116,25 @@ def test_sigterm_stops_the_demo_and_everything_it_started(subprocess_env):
         nice = _nice_by_role(started)
         assert nice["worker"] == {DEMO_WORKER_NICE} and nice["learner"] == {0}, nice
         assert nice["redis"] == {0} and nice["prefork"] == {0}, nice
-        proc.send_signal(signal.SIGTERM)
+        if to_group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 0
+        summary = json.loads(out.strip().splitlines()[-1])
+        assert summary["learner_steps"] >= 1
+        with contextlib.suppress(AssertionError):  # `assert not left` below says who stayed
+            wait_for(lambda: not any(_alive(p) for p in started), "its processes", 10, every=0.2)
+        left = [pid for pid in started if _alive(pid)]
+        assert not left, f"still running after the demo: {left}"
     finally:
         if proc.poll() is None:
             stop_all([proc])
-    assert proc.returncode == 0
-    summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["learner_steps"] >= 1
-    with contextlib.suppress(AssertionError):  # `assert not left` below says who stayed
-        wait_for(lambda: not any(_alive(p) for p in started), "its processes", 10, every=0.2)
-    left = [pid for pid in started if _alive(pid)]
-    for pid in left:  # orphans of a failed run: ours, by PID
-        os.kill(pid, signal.SIGKILL)
-    assert not left
+        for pid in started:  # the orphans of a failed run (ours, by PID)
+            if _alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def _nice_by_role(pids: list[int]) -> dict[str, set[int]]:
