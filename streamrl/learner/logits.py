@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from streamrl.learner.losses import row_entropy, token_logps
+from streamrl.models.kv import cache_of, with_cache
 
 
 def sequence_logps(
@@ -112,14 +113,14 @@ def _forward(
         prompts, row_prompt = torch.unique(ids[:, :length], dim=0, return_inverse=True)
         if prompts.size(0) < ids.size(0):
             head = model(input_ids=prompts, use_cache=True, logits_to_keep=1)
-            cache = head.past_key_values
+            cache = cache_of(head)
             cache.reorder_cache(row_prompt)  # (distinct prompts) -> (rows), differentiable
             positions = torch.arange(length, width, device=ids.device).expand(ids.size(0), -1)
             col = length - 1 - start
             with _output_rows(model, None if on is None else on[:, col + 1 :]):
                 tail = model(input_ids=ids[:, length:], attention_mask=attn,
-                             past_key_values=cache, position_ids=positions,
-                             use_cache=False).logits  # fmt: skip
+                             position_ids=positions, use_cache=False,
+                             **with_cache(cache)).logits  # fmt: skip
             first = head.logits[row_prompt][:, 0]  # position P - 1: the 1st completion token's
             return first, tail if on is not None else tail[:, :-1], col
     # logits_to_keep: the last width - start positions (HF's 0 would mean all of them)

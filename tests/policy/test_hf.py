@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from streamrl.bus.keys import Keys
 from streamrl.config import PolicyConfig
+from streamrl.models.kv import cache_name
 from streamrl.models.tiny import build_model, build_tokenizer
 from streamrl.policy import make_policy
 from streamrl.policy.base import PolicyRequest
@@ -344,7 +345,7 @@ def test_decode_loop_samples_what_generate_samples_with_one_prefill_per_prompt(t
     prefill_rows: list[int] = []
 
     def first_forward(_module, _args, kwargs):
-        if kwargs.get("past_key_values") is None:
+        if kwargs.get(cache_name()) is None:
             prefill_rows.append(kwargs["input_ids"].size(0))
 
     loop.model.register_forward_pre_hook(first_forward, with_kwargs=True)
@@ -386,7 +387,7 @@ def test_decode_loop_prefills_shared_heads_once_and_whole_prompts_in_one_pass(ti
     ids, mask, u = ids.to(policy.device), mask.to(policy.device), u.to(policy.device)
     passes: list[tuple[int, int, bool]] = []  # rows, width, with a cache
     hook = lambda _m, _a, kw: passes.append(  # noqa: E731
-        (kw["input_ids"].size(0), kw["input_ids"].size(1), kw.get("past_key_values") is not None)
+        (kw["input_ids"].size(0), kw["input_ids"].size(1), kw.get(cache_name()) is not None)
     )
     handle = policy.model.register_forward_pre_hook(hook, with_kwargs=True)
     loop, generate = Sampler(u, 1.0), Sampler(u, 1.0)

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicLayer
 
+from streamrl.models.kv import cache_of, with_cache
 from streamrl.policy.hf.cache import RoomyLayer, roomy
 from tests.policy.test_hf import EOS, gather, make, request
 
@@ -17,13 +18,13 @@ def _decode(model, ids, steps: int, room: int | None) -> tuple[list[torch.Tensor
     """Greedy steps after a prefill, with the cache made roomy (``room`` positions) or not."""
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
-        cache, logits = out.past_key_values, [out.logits[:, -1]]
+        cache, logits = cache_of(out), [out.logits[:, -1]]
         if room is not None:
             roomy(cache, room)
         for _ in range(steps):
-            out = model(input_ids=logits[-1].argmax(-1)[:, None], past_key_values=cache,
-                        use_cache=True)  # fmt: skip
-            cache = out.past_key_values
+            out = model(input_ids=logits[-1].argmax(-1)[:, None], use_cache=True,
+                        **with_cache(cache))  # fmt: skip
+            cache = cache_of(out)
             logits.append(out.logits[:, -1])
     return logits, cache
 

@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from streamrl.bus.keys import Keys
 from streamrl.local.vllm import BackgroundStart, VLLMServer, cached_smollm2
+from streamrl.models.kv import cache_of, with_cache
 from streamrl.schema import ModelTurn, PolicyVersion, encode
 
 SERVED_NAME = "policy"
@@ -152,12 +153,12 @@ class Reference:
         with torch.no_grad():
             if key not in self.prefixes:
                 out = model(input_ids=torch.tensor([turn.prompt_token_ids]), use_cache=True)
-                self.prefixes[key] = (out.past_key_values, out.logits[0, -1])
+                self.prefixes[key] = (cache_of(out), out.logits[0, -1])
             past, last = self.prefixes[key]
             out = model(
                 input_ids=torch.tensor([turn.token_ids]),
-                past_key_values=copy.deepcopy(past),
                 use_cache=True,
+                **with_cache(copy.deepcopy(past)),
             )
         logits = torch.cat([last[None], out.logits[0, :-1]]).float()
         logp = torch.log_softmax(logits / TEMPERATURE, dim=-1)

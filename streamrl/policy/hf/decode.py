@@ -32,6 +32,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from streamrl.models.kv import cache_of, with_cache
+
 
 def uniforms(seed: int, n: int) -> list[float]:
     """A request's ``n`` uniforms, one per token it may sample."""
@@ -231,10 +233,10 @@ class Decoder:
                 input_ids=token[:, None],
                 attention_mask=mask[:, : width + step + 1],
                 position_ids=position[:, None],
-                past_key_values=cache,
                 use_cache=True,
+                **with_cache(cache),
             )
-            cache, scores = out.past_key_values, out.logits[:, -1]
+            cache, scores = cache_of(out), out.logits[:, -1]
         return True
 
     def _prefill(
@@ -249,7 +251,7 @@ class Decoder:
         # (8.5 GB for 128 rows of 340 tokens over SmolLM2's 49,152-token vocabulary)
         out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=positions,
                     use_cache=True, logits_to_keep=1)  # fmt: skip
-        cache = out.past_key_values
+        cache = cache_of(out)
         if not hasattr(cache, "reorder_cache"):
             return None
         cache.reorder_cache(row_prompt)
@@ -286,15 +288,15 @@ class Decoder:
         d_pos = (d_mask.cumsum(-1) - 1).clamp_(min=0)
         out = model(input_ids=d_ids, attention_mask=d_mask, position_ids=d_pos,
                     use_cache=True, logits_to_keep=1)  # fmt: skip
-        cache = out.past_key_values
+        cache = cache_of(out)
         if not hasattr(cache, "reorder_cache"):
             return None
         cache.reorder_cache(row_head)
         full_mask = torch.cat([h_mask, t_mask], dim=1)
         t_pos = (h_mask.sum(-1, keepdim=True) + t_mask.cumsum(-1) - 1).clamp_(min=0)
         out = model(input_ids=t_ids, attention_mask=full_mask, position_ids=t_pos,
-                    past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
-        return out.past_key_values, out.logits[:, -1], full_mask, t_pos[:, -1]
+                    use_cache=True, logits_to_keep=1, **with_cache(cache))  # fmt: skip
+        return cache_of(out), out.logits[:, -1], full_mask, t_pos[:, -1]
 
     def cut(
         self, tokens: list[int], logprobs: list[float], limit: int
