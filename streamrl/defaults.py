@@ -20,6 +20,9 @@ LEARNER_GROUP = "learner"
 LEASE_SECONDS = 30.0
 LEASE_DRAIN_SECONDS = 30.0
 LEASE_JOB_TIMEOUT_GRACE = 120
+# A lease that has had nothing to do for this long ends early when a lease of another run or
+# shard is waiting for a worker (streamrl.workers.leases.IdleYield).
+LEASE_YIELD_IDLE_S = 1.0
 
 # Blocking reads. redis-py 8 sets a 5 s socket timeout by default, so a BLOCK longer than the
 # socket timeout would be cut by the client; keep blocks short and the socket timeout well above.

@@ -27,6 +27,7 @@ from streamrl.defaults import (
     LEASE_DRAIN_SECONDS,
     LEASE_JOB_TIMEOUT_GRACE,
     LEASE_SECONDS,
+    LEASE_YIELD_IDLE_S,
     WORKER_LIVE_S,
 )
 
@@ -118,6 +119,45 @@ def top_up(
     for _ in range(missing):
         _enqueue(r, name, run, seconds, data=data, shard=shard)
     return missing
+
+
+def others_waiting(r: redis.Redis, name: str, run: str, shard: int | None) -> bool:
+    """Whether the queue holds a lease for another run or another shard than ``run``'s
+    ``shard``: a lease that is waiting for a worker while this one has nothing to do."""
+    return any(
+        job.args and (job.args[0], _shard_of_job(job)) != (run, shard)
+        for job in queue(r, name).get_jobs()
+    )
+
+
+class IdleYield:
+    """When a lease with nothing to do hands its worker over. A lease holds its worker for its
+    whole ``lease_seconds``; with fewer workers than shards (or runs), one whose shard had
+    drained idled out its 30 s while the next shard's tasks waited for a worker. After
+    ``idle_s`` with nothing done, it asks ``others`` (at most once per ``idle_s``) whether
+    another lease waits, and ends if one does."""
+
+    def __init__(self, others: Callable[[], bool], idle_s: float = LEASE_YIELD_IDLE_S):
+        self.others = others
+        self.idle_s = idle_s
+        self._idle_since: float | None = None
+        self._next_ask = 0.0
+
+    def busy(self) -> None:
+        self._idle_since = None
+
+    def should_end(self, now: float | None = None) -> bool:
+        """Called after a pass that did nothing."""
+        now = time.monotonic() if now is None else now
+        if self._idle_since is None:
+            self._idle_since = now
+        if now - self._idle_since < self.idle_s or now < self._next_ask:
+            return False
+        self._next_ask = now + self.idle_s
+        try:
+            return self.others()
+        except redis.RedisError:  # rq's Redis unreachable: keep the lease, as without this
+            return False
 
 
 def top_up_shards(

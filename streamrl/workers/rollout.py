@@ -84,8 +84,10 @@ class _RolloutLease:
         on_ready: Any = None,
         url: str | None = None,
         shard: int | None = None,
+        idle: leases.IdleYield | None = None,
     ):
         self.on_ready = on_ready
+        self.idle = idle  # ends the lease early: idle, while another lease waits
         self.url = url
         self.r = r
         self.keys = Keys(run)  # the run's; this lease's shard once the run's config is read
@@ -438,8 +440,15 @@ class _RolloutLease:
                 count=min(cap, rc.read_batch),
                 block=block,
             )
+            read = parse_read(resp)
             if self.watch.stale is None:  # else left pending, for other workers to claim
-                self._start(parse_read(resp))
+                self._start(read)
+            if read or self.active or self.idle is None:
+                if self.idle is not None:
+                    self.idle.busy()
+            elif self.idle.should_end():
+                log.info("lease ends early: nothing to do here, another lease waits")
+                break
         if self.active and self.watch.stale is None:
             await asyncio.wait(list(self.active.values()), timeout=rc.drain_seconds)
         for task in list(self.active.values()):
@@ -466,8 +475,9 @@ async def _lease(conn: Any, run: str, seconds: float | None, shard: int | None) 
             conn, ROLLOUT_QUEUE, run, at_most_every_s=1.0, control=control, shard=shard
         )
         url = data_url(control)
+        idle = leases.IdleYield(lambda: leases.others_waiting(control, ROLLOUT_QUEUE, run, shard))
         lease = _RolloutLease(
-            r, run, consumer_name(), seconds, on_ready=ready, url=url, shard=shard
+            r, run, consumer_name(), seconds, on_ready=ready, url=url, shard=shard, idle=idle
         )
         return await lease.run()
     finally:

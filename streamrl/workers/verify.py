@@ -356,20 +356,32 @@ class _VerifyLease:
         self.r.xgroup_createconsumer(self.keys.rollouts, VERIFY_GROUP, self.consumer)
         self.process(self._claim(own=True, count=vc.batch))
         next_stale = next_halt = 0.0
+        control = self.control if self.control is not None else self.r
+        idle = leases.IdleYield(
+            lambda: leases.others_waiting(control, VERIFY_QUEUE, self.run_name, self.keys.shard)
+        )
         while time.monotonic() < end:
             now = time.monotonic()
             if now >= next_halt:
                 next_halt = now + 0.5
                 if self.r.exists(self.keys.halt):
                     break
+            claimed: list = []
             if now >= next_stale:
                 next_stale = now + max(0.2, cfg.streams.claim_idle_ms / 2000)
-                self.process(self._claim(own=False, count=vc.batch))
+                claimed = self._claim(own=False, count=vc.batch)
+                self.process(claimed)
             block = int(min(cfg.streams.block_ms, max(1.0, (end - now) * 1000)))
             resp = self.r.xreadgroup(
                 VERIFY_GROUP, self.consumer, {self.keys.rollouts: ">"}, count=vc.batch, block=block
             )
-            self.process(parse_read(resp))
+            read = parse_read(resp)
+            self.process(read)
+            if read or claimed:
+                idle.busy()
+            elif idle.should_end():
+                log.info("lease ends early: nothing to do here, another lease waits")
+                break
         # each verifier lease also trims the run's streams behind their slowest consumer group
         trim_run(self.r, self.run_name, cfg.streams.retention_ms)
         forget_idle_consumers(self.r, self.run_name)

@@ -82,5 +82,9 @@ def test_workers_started_before_a_sharded_run_wait_for_it(redis_url, subprocess_
         assert NO_SUCH_SHARD in said()  # the unsharded lease ended as the config showed up
         assert not r.exists(Keys(run).tasks) and not r.exists(Keys(run).rollouts)
         assert [int(r.hget(k.stats, "groups_completed")) for k in shards] == [4, 4, 4]
+        # one worker per role, three shards: each left a drained shard's lease for the next
+        # shard's waiting one instead of idling out the lease's 30 s (leases.IdleYield)
+        for role, log in logs.items():
+            assert log.read_text().count("lease ends early") >= 2, (role, said())
     finally:
         stop_all(procs)
