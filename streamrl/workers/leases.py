@@ -160,6 +160,12 @@ class IdleYield:
             return False
 
 
+def idle_yield(control: redis.Redis, name: str, run: str, shard: int | None) -> IdleYield:
+    """The ``IdleYield`` of a lease of ``run``'s ``shard`` on queue ``name`` (rq's Redis:
+    ``control``)."""
+    return IdleYield(lambda: others_waiting(control, name, run, shard))
+
+
 def top_up_shards(
     r: redis.Redis,
     name: str,

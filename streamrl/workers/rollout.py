@@ -475,7 +475,7 @@ async def _lease(conn: Any, run: str, seconds: float | None, shard: int | None) 
             conn, ROLLOUT_QUEUE, run, at_most_every_s=1.0, control=control, shard=shard
         )
         url = data_url(control)
-        idle = leases.IdleYield(lambda: leases.others_waiting(control, ROLLOUT_QUEUE, run, shard))
+        idle = leases.idle_yield(control, ROLLOUT_QUEUE, run, shard)
         lease = _RolloutLease(
             r, run, consumer_name(), seconds, on_ready=ready, url=url, shard=shard, idle=idle
         )

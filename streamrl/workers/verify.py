@@ -356,10 +356,7 @@ class _VerifyLease:
         self.r.xgroup_createconsumer(self.keys.rollouts, VERIFY_GROUP, self.consumer)
         self.process(self._claim(own=True, count=vc.batch))
         next_stale = next_halt = 0.0
-        control = self.control if self.control is not None else self.r
-        idle = leases.IdleYield(
-            lambda: leases.others_waiting(control, VERIFY_QUEUE, self.run_name, self.keys.shard)
-        )
+        idle = leases.idle_yield(self.control or self.r, VERIFY_QUEUE, self.run_name, keys.shard)
         while time.monotonic() < end:
             now = time.monotonic()
             if now >= next_halt:
