@@ -87,7 +87,8 @@ class _RolloutLease:
         idle: leases.IdleYield | None = None,
     ):
         self.on_ready = on_ready
-        self.idle = idle  # ends the lease early: idle, while another lease waits
+        # ends the lease early: idle, while another lease waits (never, when none is given)
+        self.idle = idle or leases.IdleYield(lambda: False)
         self.url = url
         self.r = r
         self.keys = Keys(run)  # the run's; this lease's shard once the run's config is read
@@ -443,9 +444,8 @@ class _RolloutLease:
             read = parse_read(resp)
             if self.watch.stale is None:  # else left pending, for other workers to claim
                 self._start(read)
-            if read or self.active or self.idle is None:
-                if self.idle is not None:
-                    self.idle.busy()
+            if read or self.active:
+                self.idle.busy()
             elif self.idle.should_end():
                 log.info("lease ends early: nothing to do here, another lease waits")
                 break
