@@ -489,6 +489,10 @@ class OpenAIPolicy(Policy):
         served = await server_update.read(self._redis, self._served_key)
         if served.paused is not None:
             await self._resume_abandoned()
+        # what the server serves first: a new lease's client starts at 0, and a newer version
+        # the server failed to load (raised below) must not leave it reporting 0
+        if served.version > self._version:
+            self._version, self._model = served.version, served.model or self._model
         if self.sync != "none":
             latest = await latest_version(self._redis, self.keys)
             wanted = "lora" if self.sync == "lora" else "safetensors"
@@ -504,10 +508,7 @@ class OpenAIPolicy(Policy):
                 failure = served.failure(latest.version, self.load_retry_s)
                 if failure is not None:  # this server failed to load it: said, not retried yet
                     raise _ServerFailedLoad(failure)
-                if await self._update_server(latest):
-                    return
-        if served.version > self._version:
-            self._version, self._model = served.version, served.model or self._model
+                await self._update_server(latest)
 
     def _update_lock(self) -> Any:
         return server_update.update_lock(self._redis, self._served_key, self.update_lock_ms)

@@ -178,6 +178,36 @@ def test_a_version_the_server_cannot_load_is_every_workers_error_and_not_asked_a
     assert not locked
 
 
+def test_a_new_lease_reports_the_version_its_server_serves_beside_a_failed_newer_one(
+    tiny_dir, r, redis_url, tmp_path, run_name
+):
+    """A lease's client starts at version 0. When the newest version is one its server failed
+    to load, it still takes the version the server serves (it once stayed at 0, two behind in
+    policy health where the server was one behind)."""
+    _version(tmp_path, r, run_name, 1)
+    with OpenAITestServer(tiny_dir) as server:
+
+        async def main() -> tuple[int, str | None, tuple[int, str | None]]:
+            first = _sync(server.url, redis_url, run_name, load_retry_s=3600)
+            await first.refresh()  # loads version 1 into the server
+            loaded = first.version
+            _version(tmp_path, r, run_name, 2, valid=False)
+            await first.refresh()  # fails, and the failure is recorded for the server
+            failed = first.reload_error
+            await first.close()
+            later = _sync(server.url, redis_url, run_name, load_retry_s=3600)  # a new lease
+            await later.refresh()
+            state = (later.version, later.reload_error)
+            await later.close()
+            return loaded, failed, state
+
+        loaded, failed, (version, error) = asyncio.run(main())
+    assert loaded == 1
+    assert failed is not None and "loading policy v2" in failed, failed
+    assert version == 1
+    assert error is not None and "loading policy v2" in error, error
+
+
 def test_served_records_parse_and_failures_expire():
     raw = {b"version": b"3", b"model": b"policy", b"failed": b"4", b"error": b"E: x",
            b"failed_at": b"100.0", b"paused": b"w1"}  # fmt: skip
