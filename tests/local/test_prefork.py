@@ -49,6 +49,18 @@ def test_a_child_is_born_at_its_nice_value(forks, tmp_path):
     assert os.getpriority(os.PRIO_PROCESS, forks.server_pid or 0) == 0  # the server as it was
 
 
+def test_a_child_collects_garbage_but_not_among_the_servers_imports(forks, tmp_path):
+    """The server imports with the collector off; a child turns it on with what it inherited
+    frozen, so a full collection does not walk torch's and transformers' objects."""
+    log = tmp_path / "child.log"
+    p = forks.popen(_argv("exit", "0"), log, env={})
+    assert p.wait(timeout=60) == 0
+    gc_line = next(line for line in log.read_text().splitlines() if line.startswith("gc="))
+    enabled, frozen = gc_line.split()
+    assert enabled == "gc=True", gc_line
+    assert int(frozen.removeprefix("frozen=")) > 100_000, gc_line  # torch alone leaves more
+
+
 def test_new_session_and_signals_reach_the_child(forks, tmp_path):
     log = tmp_path / "child.log"
     p = forks.popen(_argv("wait"), log, env={}, new_session=True)
