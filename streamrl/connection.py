@@ -133,6 +133,17 @@ def make_resilient(client: Any, retries: int = RECONNECT_RETRIES) -> Any:
     return client
 
 
+class ResilientRedis(redis.Redis):
+    """rq's ``--connection-class`` for the workers streamrl starts (``procs.rq_worker_cmd``):
+    rq's command line reads ``rq:suspended`` before it makes the worker class, so a worker
+    started while Redis is down (or restarting) exited 1 there, before ``LeaseWorker`` could
+    make its client resilient. With this class that first command waits too."""
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> ResilientRedis:
+        return make_resilient(super().from_url(url, **kwargs))
+
+
 def _cluster_kwargs() -> dict[str, Any]:
     """A cluster client's retry is set after it is made (``set_retry``), not passed."""
     kw = _client_kwargs(None, asynchronous=False)

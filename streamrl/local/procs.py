@@ -18,11 +18,14 @@ from typing import Any
 import psutil
 
 _WORKER_CLASS = "streamrl.workers.LeaseWorker"
+_CONNECTION_CLASS = "streamrl.connection.ResilientRedis"
 
 
 def rq_worker_cmd(url: str, queue: str, name: str | None = None, quiet: bool = True) -> list[str]:
-    """Plain ``rq worker`` with streamrl's worker class (self-healing, JSON serializer)."""
+    """Plain ``rq worker`` with streamrl's worker class (self-healing, JSON serializer) and
+    connection class (its first command waits for a Redis that is down)."""
     cmd = [sys.executable, "-m", "rq.cli", "worker", "-u", url, "-w", _WORKER_CLASS, "-S", "json"]
+    cmd += ["--connection-class", _CONNECTION_CLASS]
     cmd.append(queue)
     if name:
         cmd += ["--name", name]

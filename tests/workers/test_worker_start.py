@@ -4,6 +4,7 @@ lease queued for the run's unsharded streams ends at once when the run turns out
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,38 @@ def test_worker_started_while_redis_is_down_waits_for_it(subprocess_env, tmp_pat
             r = redis.Redis.from_url(url)
             wait_for(lambda: _live(r, ROLLOUT_QUEUE) == 1, said, 90, ignore=(redis.RedisError,))
             assert f"Redis at {url} answers after" in said()
+            assert proc.poll() is None, said()
+            stop_all([proc])
+    finally:
+        stop_all([proc])
+
+
+def test_an_rq_worker_streamrl_starts_while_redis_is_down_waits_for_it(subprocess_env, tmp_path):
+    """The command ``LocalPipeline`` (the demo, the chaos harness) starts workers with: rq's
+    own command line reads Redis before it makes the worker class, and such a worker, started
+    moments before a Redis restart, exited 1 at that first read (``Error 111 connecting``)."""
+    from streamrl.local.procs import rq_worker_cmd
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    log = tmp_path / "worker.log"
+    proc = subprocess.Popen(
+        rq_worker_cmd(url, ROLLOUT_QUEUE, "w-down"),
+        cwd=ROOT,
+        env=subprocess_env,
+        stdout=open(log, "wb"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        said = lambda: log.read_text(errors="replace")  # noqa: E731
+        # its imports done and its first connection refused, several times over
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=8)
+        assert proc.poll() is None, said()
+        with EmbeddedRedis(tmp_path / "redis", port=port):
+            r = redis.Redis.from_url(url)
+            wait_for(lambda: _live(r, ROLLOUT_QUEUE) == 1, said, 90, ignore=(redis.RedisError,))
             assert proc.poll() is None, said()
             stop_all([proc])
     finally:
