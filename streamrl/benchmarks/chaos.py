@@ -154,6 +154,10 @@ class _Chaos:
         kind = self.rng.choice(_KINDS)
         moment = self.rng.choice(_MOMENTS)
         victims = self._alive(role)
+        if not victims:  # the harness restarts every worker it kills: these died on their own
+            raise RuntimeError(
+                f"every {role} worker exited without being killed; their logs: {self.dir}/logs"
+            )
         victim = self.rng.choice(victims)
         self._wait_moment(victim, moment, self.cfg.lease_seconds + 2)
         if kind == "horse" and not self._horses(victim):

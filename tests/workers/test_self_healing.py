@@ -38,9 +38,13 @@ def test_random_kills_and_a_redis_restart_lose_nothing(subprocess_env, tmp_path)
         seed=seed,
         timeout_s=300,
     )
-    report = chaos_bench(cfg, directory=tmp_path, worker_env=subprocess_env)
+    rerun = f"seed {seed} (rerun with STREAMRL_CHAOS_SEED={seed})"
+    try:
+        report = chaos_bench(cfg, directory=tmp_path, worker_env=subprocess_env)
+    except Exception as e:  # the harness itself stopped: the seed still matters
+        raise AssertionError(f"{rerun}: {type(e).__name__}: {e}") from e
     summary = {k: v for k, v in report.items() if k != "faults"}
-    why = f"seed {seed} (rerun with STREAMRL_CHAOS_SEED={seed}): {json.dumps(summary)}"
+    why = f"{rerun}: {json.dumps(summary)}"
     assert report["kills"] >= 20, why
     assert report["redis_restarts"] == 1, why
     assert set(report["kill_kinds"]) >= {"tree", "main", "horse"}, why
