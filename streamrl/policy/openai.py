@@ -513,19 +513,19 @@ class OpenAIPolicy(Policy):
     def _update_lock(self) -> Any:
         return server_update.update_lock(self._redis, self._served_key, self.update_lock_ms)
 
-    async def _update_server(self, pv: PolicyVersion) -> bool:
-        """Load ``pv`` under the server's update lock; False when another worker holds it. A
-        failure is recorded for every worker of the server, then raised."""
+    async def _update_server(self, pv: PolicyVersion) -> None:
+        """Load ``pv`` under the server's update lock; nothing when another worker holds it
+        (that worker loads it). A failure is recorded for every worker of the server, then
+        raised."""
         async with self._update_lock() as token:
             if token is None:
-                return False
+                return
             try:
                 await self.load_version(pv)
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
                 await server_update.record_failure(self._redis, self._served_key, pv.version, error)
                 raise
-            return True
 
     async def _resume_abandoned(self) -> None:
         """A worker stopped between its ``/pause`` and ``/resume`` (killed, or cancelled past

@@ -1,7 +1,6 @@
 """Run by tests/local/test_prefork.py as `python -m tests.support.prefork_child`: reports what a
-forked role sees (its argv, an env var, whether torch came preloaded, its nice value,
-its garbage collector), then
-exits, waits or touches a file."""
+forked role sees (its argv, an env var, whether torch came preloaded, its nice value, its
+garbage collector), then exits, waits or touches a file."""
 
 import gc
 import os

@@ -22,8 +22,12 @@ from tests.support.waiting import wait_for
 
 
 def _worker(argv: list[str], env: dict, log: Path) -> subprocess.Popen:
+    return _started([sys.executable, "-m", "streamrl.cli", *argv], env, log)
+
+
+def _started(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "streamrl.cli", *argv],
+        cmd,
         cwd=ROOT,
         env=env,
         stdout=open(log, "wb"),
@@ -64,14 +68,7 @@ def test_an_rq_worker_streamrl_starts_while_redis_is_down_waits_for_it(subproces
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
     log = tmp_path / "worker.log"
-    proc = subprocess.Popen(
-        rq_worker_cmd(url, ROLLOUT_QUEUE, "w-down"),
-        cwd=ROOT,
-        env=subprocess_env,
-        stdout=open(log, "wb"),  # noqa: SIM115
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    proc = _started(rq_worker_cmd(url, ROLLOUT_QUEUE, "w-down"), subprocess_env, log)
     try:
         said = lambda: log.read_text(errors="replace")  # noqa: E731
         # its imports done and its first connection refused, several times over
