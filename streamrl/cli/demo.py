@@ -57,8 +57,16 @@ def demo(
         seed=seed,
         worker_nice=worker_nice,
     )
-    with sigterm_as_interrupt():
-        res = train_demo(opts)
+    try:
+        with sigterm_as_interrupt():
+            res = train_demo(opts)
+    except KeyboardInterrupt:  # before the live loop (mid-run, train_demo returns a summary)
+        click.echo(
+            "streamrl demo: interrupted during start-up, before training began; everything it "
+            "had started has stopped",
+            err=True,
+        )
+        raise SystemExit(130) from None
     if not as_json:  # a row a second is for bench/demo_phases.py, not for reading
         rows = len(res.pop("timeline", []))
         res.pop("timeline_columns", None)

@@ -137,6 +137,51 @@ def test_sigterm_stops_the_demo_and_everything_it_started(subprocess_env, to_gro
                     os.kill(pid, signal.SIGKILL)
 
 
+def test_sigterm_during_start_up_says_so_and_leaves_nothing_running(subprocess_env):
+    """A demo stopped while the fork server still imports torch (before the header, before
+    any training) says it was interrupted during start-up in one line and exits 130, not
+    click's bare `Aborted!` with 1; the private Redis and the fork server go with it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamrl.cli", "demo", "--json", "--seconds", "120"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env,
+    )  # fmt: skip
+    started: list[int] = []
+    try:
+        # the private Redis is up (~0.3 s in) long before the fork server's imports end (~3 s)
+        wait_for(
+            lambda: any(role_of(" ".join(c)) == "redis" for c in _cmdlines(proc.pid)),
+            "the demo's private Redis",
+            timeout=30,
+            every=0.05,
+        )
+        started = descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        assert "logs " not in err, "the signal came after start-up: the test did not test it"
+        assert proc.returncode == 130, err
+        assert err.strip().splitlines()[-1].startswith("streamrl demo: interrupted during start-up")
+        assert "Aborted" not in err and "Traceback" not in err and out == "", err
+        with contextlib.suppress(AssertionError):  # `assert not left` below says who stayed
+            wait_for(lambda: not any(_alive(p) for p in started), "its processes", 10, every=0.2)
+        left = [pid for pid in started if _alive(pid)]
+        assert not left, f"still running after the demo: {left}"
+    finally:
+        if proc.poll() is None:
+            stop_all([proc])
+        for pid in started:
+            if _alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _cmdlines(pid: int) -> list[list[str]]:
+    out = []
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            out.append(child.cmdline())
+    return out
+
+
 def _nice_by_role(pids: list[int]) -> dict[str, set[int]]:
     """The nice values of every thread of ``pids``, by what each process is."""
     out: dict[str, set[int]] = {}
