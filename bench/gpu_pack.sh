@@ -12,7 +12,8 @@ pkgs=""
 for p in transformers huggingface_hub tokenizers trl datasets dill multiprocess peft redis \
     hiredis rq msgspec structlog setproctitle tenacity jsonschema jsonschema-specifications \
     referencing rpds-py jsonschema-rs tomli_w httpx2 httpcore2 truststore croniter click regex \
-    hf-xet fsspec h11; do
+    hf-xet fsspec h11 psutil rich markdown-it-py mdurl pygments prometheus-client safetensors \
+    pytest-xdist execnet; do
     v=$(version "$p")
     [ -n "$v" ] && pkgs="$pkgs $p==$v"
 done
