@@ -83,6 +83,24 @@ def _alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
+def _assert_none_left(started: list[int]) -> None:
+    """Every process the demo had started is gone within 10 s of its exit."""
+    with contextlib.suppress(AssertionError):  # `assert not left` below says who stayed
+        wait_for(lambda: not any(_alive(p) for p in started), "its processes", 10, every=0.2)
+    left = [pid for pid in started if _alive(pid)]
+    assert not left, f"still running after the demo: {left}"
+
+
+def _end(proc: subprocess.Popen, started: list[int]) -> None:
+    """The demo and the orphans of a failed run (ours, by PID)."""
+    if proc.poll() is None:
+        stop_all([proc])
+    for pid in started:
+        if _alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("to_group", [False, True], ids=["demo", "process-group"])
 def test_sigterm_stops_the_demo_and_everything_it_started(subprocess_env, to_group):
     """`kill <demo>` ends it as Ctrl-C does: the learner, the forked workers, the fork server
@@ -124,17 +142,9 @@ def test_sigterm_stops_the_demo_and_everything_it_started(subprocess_env, to_gro
         assert proc.returncode == 0
         summary = json.loads(out.strip().splitlines()[-1])
         assert summary["learner_steps"] >= 1
-        with contextlib.suppress(AssertionError):  # `assert not left` below says who stayed
-            wait_for(lambda: not any(_alive(p) for p in started), "its processes", 10, every=0.2)
-        left = [pid for pid in started if _alive(pid)]
-        assert not left, f"still running after the demo: {left}"
+        _assert_none_left(started)
     finally:
-        if proc.poll() is None:
-            stop_all([proc])
-        for pid in started:  # the orphans of a failed run (ours, by PID)
-            if _alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        _end(proc, started)
 
 
 def test_sigterm_during_start_up_says_so_and_leaves_nothing_running(subprocess_env):
@@ -161,17 +171,9 @@ def test_sigterm_during_start_up_says_so_and_leaves_nothing_running(subprocess_e
         assert proc.returncode == 130, err
         assert err.strip().splitlines()[-1].startswith("streamrl demo: interrupted during start-up")
         assert "Aborted" not in err and "Traceback" not in err and out == "", err
-        with contextlib.suppress(AssertionError):  # `assert not left` below says who stayed
-            wait_for(lambda: not any(_alive(p) for p in started), "its processes", 10, every=0.2)
-        left = [pid for pid in started if _alive(pid)]
-        assert not left, f"still running after the demo: {left}"
+        _assert_none_left(started)
     finally:
-        if proc.poll() is None:
-            stop_all([proc])
-        for pid in started:
-            if _alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        _end(proc, started)
 
 
 def _cmdlines(pid: int) -> list[list[str]]:
