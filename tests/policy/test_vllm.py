@@ -182,27 +182,36 @@ def test_weights_follow_the_learner_and_every_turn_names_its_weights(
 
 def test_a_request_that_times_out_is_retried_not_failed(vllm):
     """The server stops answering (its processes are frozen with SIGSTOP) for longer than the
-    request timeout: the request is retried, and answers once the server is back."""
+    request timeout: the request is retried, and answers once the server is back.
+
+    The timeout is three times what one turn takes here, unfrozen: at a fixed 2 s, on a slow
+    or loaded machine (a turn 2-6 s) every try timed out after the thaw too, and the request
+    waited for up to ``down_wait_s``: 191 s in one suite run, and with both cores busy a
+    failure after 314 s (every try a ReadTimeout)."""
     import os
     import signal
     import threading
+    import time
 
     if vllm.server is None:
         pytest.skip("needs the server process this session started")
     pgid = vllm.server.pid
-    policy = make(vllm.url, timeout_s=2.0, retries=6, backoff_s=0.5, backoff_max_s=1.0)
-    os.killpg(pgid, signal.SIGSTOP)
-    thaw = threading.Timer(4.0, os.killpg, (pgid, signal.SIGCONT))
-    thaw.start()
 
-    async def main():
+    async def respond(policy):
         try:
             return await policy.respond(request(0))
         finally:
             await policy.close()
 
+    began = time.perf_counter()
+    asyncio.run(respond(make(vllm.url)))
+    timeout = max(2.0, 3 * (time.perf_counter() - began))
+    policy = make(vllm.url, timeout_s=timeout, retries=6, backoff_s=0.5, backoff_max_s=1.0)
+    os.killpg(pgid, signal.SIGSTOP)
+    thaw = threading.Timer(timeout + 2.0, os.killpg, (pgid, signal.SIGCONT))  # a try times out
+    thaw.start()
     try:
-        turn = asyncio.run(main())
+        turn = asyncio.run(respond(policy))
     finally:
         thaw.join()
         os.killpg(pgid, signal.SIGCONT)
