@@ -159,7 +159,7 @@ def test_sigterm_during_start_up_says_so_and_leaves_nothing_running(subprocess_e
     try:
         # the private Redis is up (~0.3 s in) long before the fork server's imports end (~3 s)
         wait_for(
-            lambda: any(role_of(" ".join(c)) == "redis" for c in _cmdlines(proc.pid)),
+            lambda: any(_role(pid) == "redis" for pid in descendants(proc.pid)),
             "the demo's private Redis",
             timeout=30,
             every=0.05,
@@ -176,12 +176,12 @@ def test_sigterm_during_start_up_says_so_and_leaves_nothing_running(subprocess_e
         _end(proc, started)
 
 
-def _cmdlines(pid: int) -> list[list[str]]:
-    out = []
-    for child in psutil.Process(pid).children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            out.append(child.cmdline())
-    return out
+def _role(pid: int) -> str:
+    """What process ``pid`` is (``procs.role_of``), or "gone"."""
+    try:
+        return role_of(" ".join(psutil.Process(pid).cmdline()))
+    except psutil.Error:
+        return "gone"
 
 
 def _nice_by_role(pids: list[int]) -> dict[str, set[int]]:
@@ -189,7 +189,7 @@ def _nice_by_role(pids: list[int]) -> dict[str, set[int]]:
     out: dict[str, set[int]] = {}
     for pid in pids:
         with contextlib.suppress(psutil.NoSuchProcess):
-            role = role_of(" ".join(psutil.Process(pid).cmdline()))
+            role = _role(pid)
             for t in psutil.Process(pid).threads():
                 out.setdefault(role, set()).add(os.getpriority(os.PRIO_PROCESS, t.id))
     return out
