@@ -520,6 +520,8 @@ class OpenAIPolicy(Policy):
         async with self._update_lock() as token:
             if token is None:
                 return
+            # a pause whose writer's lock expired after this worker's read in _sync_once
+            await self._resume_left_paused()
             try:
                 await self.load_version(pv)
             except Exception as e:
@@ -531,13 +533,16 @@ class OpenAIPolicy(Policy):
         """A worker stopped between its ``/pause`` and ``/resume`` (killed, or cancelled past
         its clean-up): once its lock is free, resume the server for every worker."""
         async with self._update_lock() as token:
-            if token is None:  # its writer may still be at it
-                return
-            if (await server_update.read(self._redis, self._served_key)).paused is None:
-                return
-            await self._post("/resume", optional=True, expect_json=False)
-            await server_update.clear_paused(self._redis, self._served_key)
-            log.warning("resumed a policy server another worker left paused", server=self.root)
+            if token is not None:  # None: its writer may still be at it
+                await self._resume_left_paused()
+
+    async def _resume_left_paused(self) -> None:
+        """Under the update lock: whoever set ``paused`` no longer holds the lock."""
+        if (await server_update.read(self._redis, self._served_key)).paused is None:
+            return
+        await self._post("/resume", optional=True, expect_json=False)
+        await server_update.clear_paused(self._redis, self._served_key)
+        log.warning("resumed a policy server another worker left paused", server=self.root)
 
     async def load_version(self, pv: PolicyVersion) -> None:
         """Make the server serve ``pv`` (LoRA adapter or full weights) and use it from now on.

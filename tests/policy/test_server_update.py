@@ -139,6 +139,30 @@ def test_workers_killed_mid_swap_leave_the_server_to_the_next(
             assert not locked, seed
 
 
+def test_a_pause_whose_lock_expires_after_the_read_is_resumed_before_the_next_swap(
+    tiny_dir, r, redis_url, tmp_path, run_name
+):
+    """The window the kill test above hit once in a suite run (seed 1320763135): the next
+    worker read the dead one's ``paused`` while its lock still held, and took the lock for its
+    own swap just after it expired. That swap now resumes the abandoned pause first, as a
+    worker that finds the lock free does, instead of folding it into its own pause."""
+    pv = _version(tmp_path, r, run_name, 1)
+    with OpenAITestServer(tiny_dir) as server:
+        policy = _sync(server.url, redis_url, run_name)
+        key = Keys(run_name).served(make(server.url, redis_url=None, run=run_name).server_id)
+
+        async def main():
+            policy._conn()
+            r.hset(key, "paused", "a-worker-killed-mid-swap")  # and its lock gone
+            await policy._update_server(pv)
+            await policy.close()
+
+        asyncio.run(main())
+        served, locked = _served(r, server, run_name)
+    assert server.control_calls == ["/resume", *SWAP]
+    assert served["version"] == "1" and "paused" not in served and not locked
+
+
 def test_a_version_the_server_cannot_load_is_every_workers_error_and_not_asked_again(
     tiny_dir, r, redis_url, tmp_path, run_name
 ):
