@@ -52,9 +52,10 @@ def python() -> Path:
         if not ready.exists():
             subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
             subprocess.run(
-                [str(exe), "-m", "pip", "install", "-q", "--disable-pip-version-check", PACKAGE],
+                [str(exe), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                 "--no-compile", PACKAGE],
                 check=True,
-            )
+            )  # fmt: skip
             ready.write_text(PACKAGE + "\n")
     return exe
 
