@@ -28,6 +28,9 @@ Shards. A sharded run has one ``groups`` stream per shard, read in turn; see
 A step's decisions are all taken when its batch completes: the entries read since the
 previous step (accepted or dropped) are folded into the state together, so a checkpoint
 never covers an accepted group that is still waiting for its batch.
+
+Kept whole: reading, taking, stepping and committing share one exactly-once bookkeeping (what
+was taken, covered and acked); split, each part would need the others' state.
 """
 
 from __future__ import annotations
@@ -211,7 +214,6 @@ class _Learner:
     last_step_at: float = field(default_factory=time.monotonic)
     publisher: publish.Publisher = field(default_factory=publish.Publisher)
     outcomes: Outcomes = field(init=False)  # solved / no signal over the last groups
-    redelivered: int = 0  # entries handed out again after a failover, skipped (taken_before)
 
     def __post_init__(self) -> None:
         self.outcomes = Outcomes.for_run(self.cfg, self.r, self.keys.run)
@@ -242,17 +244,13 @@ class _Learner:
         self.report()
 
     def taken_before(self, shard: int, entry_id: str) -> bool:
-        """An entry this learner already took, handed out again: a Redis Cluster failover can
-        lose the last writes to the old master, the group's last-delivered id among them, so
-        ``XREADGROUP >`` delivers some entries a second time (a test once saw 100 of 96
-        groups taken). Skipped; acked again when the checkpoint covers it (that ack may have
-        been lost too), else the open window's commit acks it."""
+        """Taken already: a Cluster failover can lose the group's last-delivered id, and
+        ``XREADGROUP >`` hands entries out again. Skipped; acked if the checkpoint covers it."""
         taken = self.reader.last_taken.get(shard)
         if taken is None or id_order(entry_id) > id_order(taken):
             return False
         if id_order(entry_id) <= id_order(self.covered(shard)):
             self.reader.ack([(shard, entry_id)])
-        self.redelivered += 1
         log.warning("group entry delivered again; skipped", entry_id=entry_id, shard=shard)
         return True
 
